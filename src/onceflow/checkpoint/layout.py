@@ -1,0 +1,115 @@
+"""Reading Spark's streaming checkpoint layout (``metadata``, ``offsets/N``, ``commits/N``).
+
+Works on any fsspec URL; local paths are plain paths. onceflow never writes Spark's files;
+it only reads them to learn the lineage (query id) and each batch's planned offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from functools import cached_property
+
+import fsspec
+from fsspec.core import url_to_fs
+
+from onceflow.errors import CheckpointError
+
+
+@dataclass(frozen=True)
+class BatchOffsets:
+    """``offsets/N``: the write-ahead record of batch N's planned source offsets."""
+
+    batch_id: int
+    metadata: dict
+    sources: tuple[str | None, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        """SHA-256 over the planned source offsets only (not timestamps or conf)."""
+        return hashlib.sha256("\n".join(s or "-" for s in self.sources).encode()).hexdigest()[:32]
+
+
+class CheckpointDir:
+    """A Spark structured-streaming checkpoint directory on any filesystem URL."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs: fsspec.AbstractFileSystem
+        self.fs, self.path = url_to_fs(self.url)
+
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.path, *parts])
+
+    def exists(self) -> bool:
+        return self.fs.exists(self._p("metadata"))
+
+    @cached_property
+    def lineage(self) -> str:
+        """The query id Spark stored in ``metadata`` (stable across restarts)."""
+        try:
+            with self.fs.open(self._p("metadata"), "r") as f:
+                return json.loads(f.readline())["id"]
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {self.url} has no 'metadata' file: it was never started, "
+                "or this is not a Spark checkpoint directory"
+            ) from None
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(
+                f"checkpoint {self.url}/metadata is corrupt ({e}); restore a savepoint "
+                "or start the job on a new checkpoint directory"
+            ) from None
+
+    def _ids(self, sub: str) -> list[int]:
+        try:
+            names = self.fs.ls(self._p(sub), detail=False)
+        except FileNotFoundError:
+            return []
+        ids = []
+        for n in names:
+            base = n.rstrip("/").rsplit("/", 1)[-1]
+            if base.isdigit():
+                ids.append(int(base))
+        return sorted(ids)
+
+    def offset_batches(self) -> list[int]:
+        return self._ids("offsets")
+
+    def committed_batches(self) -> list[int]:
+        return self._ids("commits")
+
+    def last_committed(self) -> int | None:
+        ids = self.committed_batches()
+        return ids[-1] if ids else None
+
+    def offsets(self, batch_id: int) -> BatchOffsets:
+        """Parse ``offsets/N`` (Spark's ``v1`` format: version, metadata JSON, one line per source)."""
+        path = self._p("offsets", str(batch_id))
+        try:
+            with self.fs.open(path, "r") as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {self.url} has no offsets/{batch_id}") from None
+        if len(lines) < 2 or not lines[0].startswith("v"):
+            raise CheckpointError(
+                f"{self.url}/offsets/{batch_id} is corrupt (expected Spark's offset log format); "
+                "restore a savepoint or start on a new checkpoint directory"
+            )
+        try:
+            meta = json.loads(lines[1])
+        except ValueError:
+            raise CheckpointError(f"{self.url}/offsets/{batch_id}: metadata line is not JSON") from None
+        sources = tuple(None if s == "-" else s for s in lines[2:])
+        return BatchOffsets(batch_id, meta, sources)
+
+    def source_offsets(self, batch_id: int) -> list[dict | str | None]:
+        """Decoded per-source offsets of batch N (JSON where the source wrote JSON)."""
+        out: list[dict | str | None] = []
+        for s in self.offsets(batch_id).sources:
+            try:
+                out.append(json.loads(s) if s else None)
+            except ValueError:
+                out.append(s)
+        return out

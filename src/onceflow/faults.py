@@ -1,0 +1,64 @@
+"""Deterministic fault injection for crash tests.
+
+Set ``ONCEFLOW_CRASH_AT`` to ``point[@batch][:mode]`` (comma-separated for several):
+``point`` is one of :data:`POINTS`; ``batch`` limits it to one batch id; ``mode`` is
+``kill`` (SIGKILL the whole driver process group: a machine crash, the default for
+driver-side points) or ``raise`` (the task or commit raises: an executor/task failure).
+A point fires at most once per ``ONCEFLOW_CRASH_MARKER_DIR`` (a marker file records it),
+so the restarted driver gets past it. Unset in production; costs one dict lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from onceflow.errors import InjectedCrash
+
+POINTS = (
+    "before_precommit",  # task: before writing anything
+    "after_precommit",  # task: after its transaction is durable but before returning
+    "before_decide",  # driver: all tasks pre-committed, nothing decided yet
+    "after_decide",  # driver: decision durable, nothing visible yet
+    "mid_commit",  # driver: some handles visible
+    "after_commit",  # driver: batch visible, Spark has not written commits/N
+)
+
+
+def _rules() -> list[tuple[str, int | None, str]]:
+    spec = os.environ.get("ONCEFLOW_CRASH_AT", "")
+    rules = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        mode = "kill"
+        if ":" in item:
+            item, mode = item.split(":", 1)
+        batch = None
+        if "@" in item:
+            item, b = item.split("@", 1)
+            batch = int(b)
+        if item not in POINTS:
+            raise ValueError(f"ONCEFLOW_CRASH_AT: unknown point {item!r}; known: {', '.join(POINTS)}")
+        rules.append((item, batch, mode))
+    return rules
+
+
+def maybe_crash(point: str, batch_id: int, partition: int | None = None) -> None:
+    """Crash here if a rule matches (once per marker dir)."""
+    if "ONCEFLOW_CRASH_AT" not in os.environ:
+        return
+    for name, batch, mode in _rules():
+        if name != point or (batch is not None and batch != batch_id):
+            continue
+        marker_dir = os.environ.get("ONCEFLOW_CRASH_MARKER_DIR")
+        if marker_dir:
+            marker = os.path.join(marker_dir, f"fired-{name}-{batch}")
+            try:
+                fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            os.write(fd, f"batch={batch_id} partition={partition}\n".encode())
+            os.close(fd)
+        if mode == "raise":
+            raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")
+        pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getpgid(0)
+        os.killpg(pgid, signal.SIGKILL)

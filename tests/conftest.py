@@ -1,0 +1,25 @@
+"""Shared fixtures: one local SparkSession per test session, temp dirs."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """A shared local[2] session with onceflow's data sources registered.
+
+    ``spark.task.maxFailures`` > 1 so injected task failures are retried like on a cluster.
+    """
+    from onceflow.spark import get_spark
+
+    s = get_spark("local[2,3]", "onceflow-tests")
+    yield s
+    s.stop()
