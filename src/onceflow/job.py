@@ -1,0 +1,111 @@
+"""The Job API: a plain PySpark pipeline handed to onceflow.
+
+A :class:`Job` names a source (any Spark streaming DataFrame factory), an optional
+``transform(df) -> df``, a transactional sink, a :class:`CheckpointConfig` and a
+:class:`~onceflow.runtime.restart.RestartStrategy`. ``job.run()`` blocks until the source is
+exhausted (bounded sources), a stop is requested, or the restart strategy gives up.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from onceflow.errors import ConfigError
+from onceflow.runtime.restart import RestartStrategy, fixed_delay
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+    from onceflow.sinks.base import Sink
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(ms|s|sec|seconds?|m|min|minutes?|h|hours?)?\s*$")
+_UNIT = {"ms": 0.001, "s": 1, "sec": 1, "second": 1, "seconds": 1, "m": 60, "min": 60,
+         "minute": 60, "minutes": 60, "h": 3600, "hour": 3600, "hours": 3600}
+
+
+def seconds(value: float | int | str | None, what: str) -> float | None:
+    """Parse ``10``, ``"10 s"``, ``"500ms"``, ``"1 min"`` into seconds."""
+    if value is None or isinstance(value, int | float):
+        return None if value is None else float(value)
+    m = _DURATION.match(str(value))
+    if not m:
+        raise ConfigError(f"{what}: cannot read {value!r} as a duration; use e.g. 10, '10 s', '500 ms', '1 min'")
+    return float(m.group(1)) * _UNIT[m.group(2) or "s"]
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often micro-batches are checkpointed.
+
+    ``directory``: any filesystem URL Spark and fsspec understand (local path in tests).
+    ``interval``: trigger interval (Flink's checkpoint interval). ``state_backend``:
+    ``hashmap`` (Spark's HDFS-backed store) or ``rocksdb``; ``incremental`` turns on RocksDB
+    changelog checkpointing. ``batches_retained``: Spark's ``minBatchesToRetain``.
+    ``batch_timeout``: a batch running longer fails the attempt (restart strategy applies).
+    ``min_pause``: at least this long between the end of one batch's sink commit and the
+    start of the next batch (enforced by the sink after its commit).
+    """
+
+    directory: str
+    interval: float | str = "1 s"
+    state_backend: Literal["hashmap", "rocksdb"] = "hashmap"
+    incremental: bool = True
+    batches_retained: int = 100
+    batch_timeout: float | str | None = None
+    min_pause: float | str = 0
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise ConfigError("CheckpointConfig.directory is empty; give a directory path or URL")
+        if self.state_backend not in ("hashmap", "rocksdb"):
+            raise ConfigError(
+                f"CheckpointConfig.state_backend={self.state_backend!r}: use 'hashmap' or 'rocksdb'"
+            )
+        if self.batches_retained < 1:
+            raise ConfigError("CheckpointConfig.batches_retained must be at least 1")
+        self.interval_s = seconds(self.interval, "CheckpointConfig.interval") or 0.0
+        self.batch_timeout_s = seconds(self.batch_timeout, "CheckpointConfig.batch_timeout")
+        self.min_pause_s = seconds(self.min_pause, "CheckpointConfig.min_pause") or 0.0
+
+    def spark_conf(self) -> dict[str, str]:
+        conf = {"spark.sql.streaming.minBatchesToRetain": str(self.batches_retained)}
+        if self.state_backend == "rocksdb":
+            conf["spark.sql.streaming.stateStore.providerClass"] = (
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+            )
+            conf["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] = str(
+                self.incremental
+            ).lower()
+        return conf
+
+
+@dataclass
+class Job:
+    """A streaming pipeline run by onceflow with exactly-once effects in its sink."""
+
+    name: str
+    source: Callable[[SparkSession], DataFrame]
+    sink: Sink
+    checkpoint: CheckpointConfig
+    transform: Callable[[DataFrame], DataFrame] | None = None
+    restart_strategy: RestartStrategy = field(default_factory=fixed_delay)
+    output_mode: Literal["append", "complete", "update"] = "append"
+    master: str = "local[2]"
+    spark_conf: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
+            raise ConfigError(f"Job.name {self.name!r}: use letters, digits, '_', '-', '.'")
+        if not callable(self.source):
+            raise ConfigError("Job.source must be a function spark -> streaming DataFrame")
+        if self.output_mode not in ("append", "complete", "update"):
+            raise ConfigError(f"Job.output_mode {self.output_mode!r}: use append, complete or update")
+
+    def run(self, spark: SparkSession | None = None, stop=None) -> None:
+        """Run until done, stopped (``stop``: a threading.Event) or out of restarts."""
+        from onceflow.runtime.runner import JobRunner
+
+        JobRunner(self, spark=spark, stop=stop).run()

@@ -1,0 +1,293 @@
+"""Two-phase commit per micro-batch (DESIGN.md section 3), on PySpark's Arrow stream writer.
+
+Vocabulary follows Flink's ``TwoPhaseCommitSinkFunction``:
+
+* **pre-commit** (task, executor): write the partition's rows durably but invisibly and
+  return a handle; if the batch is already decided for this lineage, write nothing.
+* **decide** (driver): record in the sink system that batch N of this lineage commits with
+  exactly these handles and this fingerprint (hash of ``offsets/N``).
+* **commit** (driver): make decided handles visible; idempotent; retried with back-off.
+* **abort** (driver): roll back pre-committed handles that are not part of a decision.
+* **recover** (driver, on open): roll forward decided batches, roll back the rest.
+
+A sink implementation subclasses :class:`TwoPhaseCommitSink` (the Spark data source) and fills
+in those five steps; the Spark plumbing, fingerprint check and crash points live here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamArrowWriter, WriterCommitMessage
+from pyspark.sql.types import StructType
+
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.errors import ConfigError, FingerprintMismatch
+from onceflow.faults import maybe_crash
+
+log = logging.getLogger(__name__)
+
+# Options Spark itself passes to every sink; never reported as unknown.
+SPARK_OPTIONS = frozenset({"checkpointlocation", "path", "queryname"})
+# Options every onceflow sink understands.
+COMMON_OPTIONS = {
+    "lineage": "lineage (query id) to use instead of the checkpoint's; set by Job.run",
+    "min_pause": "seconds to wait after each batch's commit before the next batch",
+}
+
+
+@dataclass
+class PreCommitted(WriterCommitMessage):
+    """What a task returns: its handle (None when it skipped an already-decided batch)."""
+
+    lineage: str
+    batch_id: int
+    partition: int
+    attempt: int
+    rows: int
+    handle: Any = None
+    skipped: bool = False
+
+
+@dataclass
+class Decision:
+    """A durable commit decision as stored in the sink system."""
+
+    lineage: str
+    batch_id: int
+    fingerprint: str
+    handles: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class TaskInfo:
+    """Where a task runs: lineage, batch, partition and attempt (from Spark's TaskContext)."""
+
+    lineage: str
+    batch_id: int
+    partition: int
+    attempt: int
+
+    @classmethod
+    def current(cls) -> TaskInfo:
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+        if tc is None:
+            raise RuntimeError("onceflow sink write() called outside a Spark task")
+        batch = tc.getLocalProperty("streaming.sql.batchId")
+        lineage = tc.getLocalProperty("sql.streaming.queryId")
+        if batch is None or lineage is None:
+            raise ConfigError("onceflow sinks only support streaming writes (writeStream)")
+        return cls(lineage, int(batch), tc.partitionId(), tc.attemptNumber())
+
+
+class TwoPhaseCommitSink(DataSource, ABC):
+    """Base of every transactional onceflow sink (a PySpark Python data source).
+
+    Guarantee: with a replayable source and a deterministic transform, every batch's rows
+    become visible exactly once per lineage, whatever crashes happen between the steps.
+    """
+
+    format_name: ClassVar[str]
+    #: option name -> description (besides COMMON_OPTIONS); unknown options are refused.
+    options_doc: ClassVar[dict[str, str]] = {}
+    #: option names that must be given.
+    required_options: ClassVar[tuple[str, ...]] = ()
+    #: set True where decide and commit are one atomic step in the sink system.
+    atomic_decide_commit: ClassVar[bool] = False
+
+    def __init__(self, options: Mapping[str, str]):
+        super().__init__(options)
+        self.opts = {k.lower(): v for k, v in options.items()}
+        known = set(self.options_doc) | set(COMMON_OPTIONS) | SPARK_OPTIONS
+        unknown = sorted(set(self.opts) - known)
+        if unknown:
+            raise ConfigError(
+                f"{self.format_name}: unknown option(s) {', '.join(unknown)}; "
+                f"known options: {', '.join(sorted(set(self.options_doc) | set(COMMON_OPTIONS)))}"
+            )
+        missing = [o for o in self.required_options if not self.opts.get(o)]
+        if missing:
+            raise ConfigError(f"{self.format_name}: missing required option(s) {', '.join(missing)}")
+
+    @classmethod
+    def name(cls) -> str:
+        return cls.format_name
+
+    _validated: ClassVar[set[str]] = set()
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> TwoPhaseCommitWriter:
+        """Called by Spark on the driver at query start and per commit; validates once per process."""
+        key = repr((self.format_name, sorted(self.opts.items()), schema.json(), overwrite))
+        if key not in self._validated:
+            self.validate(schema, overwrite)
+            self._validated.add(key)
+        return TwoPhaseCommitWriter(self, schema, overwrite)
+
+    # ---- what implementations fill in -------------------------------------------------
+
+    def validate(self, schema: StructType, overwrite: bool) -> None:  # noqa: B027
+        """Driver, before the query starts: check options, reachability and schema."""
+
+    @abstractmethod
+    def is_decided(self, lineage: str, batch_id: int) -> bool:
+        """Task: is batch N of this lineage already decided (so nothing must be written)?"""
+
+    @abstractmethod
+    def pre_commit(
+        self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator
+    ) -> tuple[Any, int]:
+        """Task: write the rows durably but invisibly; return (handle, row count)."""
+
+    @abstractmethod
+    def decision(self, lineage: str, batch_id: int) -> Decision | None:
+        """Driver: the stored decision for batch N of this lineage, if any."""
+
+    @abstractmethod
+    def decide(self, decision: Decision, schema: StructType, overwrite: bool) -> None:
+        """Driver: record the decision durably in the sink system."""
+
+    @abstractmethod
+    def commit(self, decision: Decision) -> None:
+        """Driver: make every decided handle visible. Idempotent."""
+
+    @abstractmethod
+    def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
+        """Driver: roll back these pre-committed handles (never decided ones)."""
+
+    @abstractmethod
+    def recover(self, lineage: str) -> dict[str, int]:
+        """Driver, on open: finish decided batches, roll back the rest; return counts."""
+
+    def describe_guarantee(self) -> str:
+        """One line stating the guarantee of the configured mode (for ``onceflow doctor``)."""
+        return "exactly-once: batch visible atomically after a durable decision"
+
+
+class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
+    """Spark's stream writer, translating its callbacks into the 2PC protocol."""
+
+    _recovered: ClassVar[set[tuple[str, str]]] = set()
+
+    def __init__(self, sink: TwoPhaseCommitSink, schema: StructType, overwrite: bool):
+        self.sink, self.schema, self.overwrite = sink, schema, overwrite
+
+    # ---- executors --------------------------------------------------------------------
+
+    def write(self, iterator: Iterator) -> PreCommitted:
+        task = TaskInfo.current()
+        lineage = self.sink.opts.get("lineage") or task.lineage
+        task.lineage = lineage
+        maybe_crash("before_precommit", task.batch_id, task.partition)
+        if self.sink.is_decided(lineage, task.batch_id):
+            return PreCommitted(lineage, task.batch_id, task.partition, task.attempt, 0, None, True)
+        handle, rows = self.sink.pre_commit(task, self.schema, self.overwrite, iterator)
+        maybe_crash("after_precommit", task.batch_id, task.partition)
+        return PreCommitted(lineage, task.batch_id, task.partition, task.attempt, rows, handle)
+
+    # ---- driver -----------------------------------------------------------------------
+
+    def _checkpoint(self) -> CheckpointDir | None:
+        loc = self.sink.opts.get("checkpointlocation")
+        return CheckpointDir(loc) if loc else None
+
+    def _lineage(self, ckpt: CheckpointDir | None, messages: list) -> str:
+        if self.sink.opts.get("lineage"):
+            return self.sink.opts["lineage"]
+        for m in messages:
+            if m is not None:
+                return m.lineage
+        if ckpt is None:
+            raise ConfigError(f"{self.sink.format_name}: a checkpointLocation is required")
+        return ckpt.lineage
+
+    def _recover_once(self, lineage: str) -> None:
+        key = (self.sink.format_name, lineage)
+        if key not in self._recovered:
+            counts = self.sink.recover(lineage)
+            if any(counts.values()):
+                log.warning("onceflow %s recovery for %s: %s", self.sink.format_name, lineage, counts)
+            self._recovered.add(key)
+
+    def commit(self, messages: list, batchId: int) -> None:
+        started = time.monotonic()
+        ckpt = self._checkpoint()
+        lineage = self._lineage(ckpt, messages)
+        self._recover_once(lineage)
+        fingerprint = ckpt.offsets(batchId).fingerprint if ckpt else "unknown"
+        present = [m for m in messages if m is not None]
+        handles = [m.handle for m in present if not m.skipped and m.handle is not None]
+        rows = sum(m.rows for m in present if not m.skipped)
+
+        existing = self.sink.decision(lineage, batchId)
+        if existing is not None:
+            if existing.fingerprint != fingerprint and "unknown" not in (existing.fingerprint, fingerprint):
+                self.sink.abort(lineage, batchId, handles)
+                raise FingerprintMismatch(
+                    f"{self.sink.format_name}: batch {batchId} of lineage {lineage} was already "
+                    f"committed from different source offsets (stored fingerprint "
+                    f"{existing.fingerprint}, this run {fingerprint}). The checkpoint was restored "
+                    "from an older savepoint or edited while keeping the lineage: restart with "
+                    "'onceflow run --from-savepoint SP --fork' to get a new lineage."
+                )
+            # Replay of a decided batch: finish it (idempotent), drop stray attempts.
+            self.sink.commit(existing)
+            stray = [h for h in handles if h not in existing.handles]
+            if stray:
+                self.sink.abort(lineage, batchId, stray)
+            self._log(ckpt, batchId, lineage, 0, True, started)
+            return
+
+        decision = Decision(lineage, batchId, fingerprint, handles)
+        maybe_crash("before_decide", batchId)
+        self.sink.decide(decision, self.schema, self.overwrite)
+        maybe_crash("after_decide", batchId)
+        self.sink.commit(decision)
+        maybe_crash("after_commit", batchId)
+        self._log(ckpt, batchId, lineage, rows, False, started)
+        pause = float(self.sink.opts.get("min_pause") or 0)
+        if pause > 0:
+            time.sleep(pause)
+
+    def abort(self, messages: list, batchId: int) -> None:
+        ckpt = self._checkpoint()
+        lineage = self._lineage(ckpt, messages)
+        handles = [m.handle for m in messages if m is not None and m.handle is not None]
+        if self.sink.decision(lineage, batchId) is None:
+            self.sink.abort(lineage, batchId, handles)
+
+    def _log(self, ckpt, batch_id, lineage, rows, replay, started) -> None:
+        if ckpt is None or os.environ.get("ONCEFLOW_NO_EVENTS"):
+            return
+        try:
+            EventLog(ckpt.url).append(
+                "sink_commit", sink=self.sink.format_name, batch=batch_id, lineage=lineage,
+                rows=rows, replay=replay, commit_s=round(time.monotonic() - started, 4),
+            )
+        except OSError as e:  # the event log is for humans; never fail a commit over it
+            log.warning("could not append to the event log: %s", e)
+
+
+class Sink(ABC):
+    """User-facing sink configuration: a format name and its options for ``writeStream``."""
+
+    format_name: ClassVar[str]
+
+    @abstractmethod
+    def options(self) -> dict[str, str]:
+        """Spark options for ``df.writeStream.format(format_name).options(**options())``."""
+
+    def data_source(self, extra: Mapping[str, str] | None = None) -> TwoPhaseCommitSink:
+        """The data source instance with these options (used for pre-flight checks)."""
+        from onceflow.sinks.registry import SINKS, _load
+
+        cls = _load(SINKS[self.format_name])
+        return cls({**self.options(), **(extra or {})})
