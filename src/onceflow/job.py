@@ -95,6 +95,8 @@ class Job:
     output_mode: Literal["append", "complete", "update"] = "append"
     master: str = "local[2]"
     spark_conf: dict[str, str] = field(default_factory=dict)
+    #: stop once no data has been available for this many seconds (bounded inputs, demos, tests)
+    stop_when_idle: float | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
