@@ -1,6 +1,6 @@
 """Deterministic fault injection for crash tests.
 
-Set ``ONCEFLOW_CRASH_AT`` to ``point[@batch][:mode]`` (comma-separated for several):
+Set ``ONCEFLOW_CRASH_AT`` (or the sink option ``test_crash_at``) to ``point[@batch][:mode]`` (comma-separated for several):
 ``point`` is one of :data:`POINTS`; ``batch`` limits it to one batch id; ``mode`` is
 ``kill`` (SIGKILL the whole driver process group: a machine crash, the default for
 driver-side points) or ``raise`` (the task or commit raises: an executor/task failure).
@@ -25,8 +25,7 @@ POINTS = (
 )
 
 
-def _rules() -> list[tuple[str, int | None, str]]:
-    spec = os.environ.get("ONCEFLOW_CRASH_AT", "")
+def _rules(spec: str) -> list[tuple[str, int | None, str]]:
     rules = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
         mode = "kill"
@@ -42,14 +41,21 @@ def _rules() -> list[tuple[str, int | None, str]]:
     return rules
 
 
-def maybe_crash(point: str, batch_id: int, partition: int | None = None) -> None:
-    """Crash here if a rule matches (once per marker dir)."""
-    if "ONCEFLOW_CRASH_AT" not in os.environ:
+def maybe_crash(
+    point: str, batch_id: int, partition: int | None = None, options: dict | None = None
+) -> None:
+    """Crash here if a rule matches (once per marker dir).
+
+    Rules come from the environment or, for in-process tests whose Spark workers were started
+    earlier, from the sink options ``test_crash_at`` / ``test_crash_markers``.
+    """
+    spec = (options or {}).get("test_crash_at") or os.environ.get("ONCEFLOW_CRASH_AT")
+    if not spec:
         return
-    for name, batch, mode in _rules():
+    marker_dir = (options or {}).get("test_crash_markers") or os.environ.get("ONCEFLOW_CRASH_MARKER_DIR")
+    for name, batch, mode in _rules(spec):
         if name != point or (batch is not None and batch != batch_id):
             continue
-        marker_dir = os.environ.get("ONCEFLOW_CRASH_MARKER_DIR")
         if marker_dir:
             marker = os.path.join(marker_dir, f"fired-{name}-{batch}")
             try:

@@ -157,9 +157,12 @@ class JobRunner:
         ckpt = CheckpointDir(self.url)
         with ExitStack() as stack:
             opener = getattr(source, "open", None)
-            if callable(opener) and ckpt.exists():
-                stack.enter_context(opener(ckpt.lineage))
-                opener = None
+            if ckpt.exists():
+                if callable(opener):  # fence + recovery, held for the run
+                    stack.enter_context(opener(ckpt.lineage))
+                    opener = None
+                else:
+                    source.recover(ckpt.lineage)
             query = writer.start()
             stack.callback(_stop_quietly, query)
             if callable(opener):

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -40,6 +40,8 @@ SPARK_OPTIONS = frozenset({"checkpointlocation", "path", "queryname"})
 COMMON_OPTIONS = {
     "lineage": "lineage (query id) to use instead of the checkpoint's; set by Job.run",
     "min_pause": "seconds to wait after each batch's commit before the next batch",
+    "test_crash_at": "tests only: fault injection rule, see onceflow.faults",
+    "test_crash_markers": "tests only: directory recording fired fault rules",
 }
 
 
@@ -164,8 +166,12 @@ class TwoPhaseCommitSink(DataSource, ABC):
         """Driver: roll back these pre-committed handles (never decided ones)."""
 
     @abstractmethod
-    def recover(self, lineage: str) -> dict[str, int]:
-        """Driver, on open: finish decided batches, roll back the rest; return counts."""
+    def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
+        """Driver, on open: finish decided batches, roll back the rest; return counts.
+
+        ``in_flight``: handles pre-committed for the batch being committed right now (when
+        recovery runs lazily in a fresh commit process); they must be left alone.
+        """
 
     def describe_guarantee(self) -> str:
         """One line stating the guarantee of the configured mode (for ``onceflow doctor``)."""
@@ -186,11 +192,11 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
         task = TaskInfo.current()
         lineage = self.sink.opts.get("lineage") or task.lineage
         task.lineage = lineage
-        maybe_crash("before_precommit", task.batch_id, task.partition)
+        maybe_crash("before_precommit", task.batch_id, task.partition, self.sink.opts)
         if self.sink.is_decided(lineage, task.batch_id):
             return PreCommitted(lineage, task.batch_id, task.partition, task.attempt, 0, None, True)
         handle, rows = self.sink.pre_commit(task, self.schema, self.overwrite, iterator)
-        maybe_crash("after_precommit", task.batch_id, task.partition)
+        maybe_crash("after_precommit", task.batch_id, task.partition, self.sink.opts)
         return PreCommitted(lineage, task.batch_id, task.partition, task.attempt, rows, handle)
 
     # ---- driver -----------------------------------------------------------------------
@@ -209,10 +215,10 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             raise ConfigError(f"{self.sink.format_name}: a checkpointLocation is required")
         return ckpt.lineage
 
-    def _recover_once(self, lineage: str) -> None:
+    def _recover_once(self, lineage: str, in_flight: list) -> None:
         key = (self.sink.format_name, lineage)
         if key not in self._recovered:
-            counts = self.sink.recover(lineage)
+            counts = self.sink.recover(lineage, in_flight)
             if any(counts.values()):
                 log.warning("onceflow %s recovery for %s: %s", self.sink.format_name, lineage, counts)
             self._recovered.add(key)
@@ -221,10 +227,10 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
         started = time.monotonic()
         ckpt = self._checkpoint()
         lineage = self._lineage(ckpt, messages)
-        self._recover_once(lineage)
         fingerprint = ckpt.offsets(batchId).fingerprint if ckpt else "unknown"
         present = [m for m in messages if m is not None]
         handles = [m.handle for m in present if not m.skipped and m.handle is not None]
+        self._recover_once(lineage, handles)
         rows = sum(m.rows for m in present if not m.skipped)
 
         existing = self.sink.decision(lineage, batchId)
@@ -247,11 +253,11 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             return
 
         decision = Decision(lineage, batchId, fingerprint, handles)
-        maybe_crash("before_decide", batchId)
+        maybe_crash("before_decide", batchId, None, self.sink.opts)
         self.sink.decide(decision, self.schema, self.overwrite)
-        maybe_crash("after_decide", batchId)
+        maybe_crash("after_decide", batchId, None, self.sink.opts)
         self.sink.commit(decision)
-        maybe_crash("after_commit", batchId)
+        maybe_crash("after_commit", batchId, None, self.sink.opts)
         self._log(ckpt, batchId, lineage, rows, False, started)
         pause = float(self.sink.opts.get("min_pause") or 0)
         if pause > 0:

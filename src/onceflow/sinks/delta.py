@@ -18,7 +18,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,7 +214,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def commit(self, decision: Decision) -> None:
         """Visible since :meth:`decide`; here only remove files of losing attempts."""
-        maybe_crash("mid_commit", decision.batch_id)
+        maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         keep = {h["path"] for h in decision.handles}
         self._remove_files(decision.lineage, lambda b, name: b == decision.batch_id and name not in keep)
 
@@ -224,16 +224,17 @@ class DeltaDataSource(TwoPhaseCommitSink):
             if h:
                 fs.rm(f"{path}/{h['path']}") if fs.exists(f"{path}/{h['path']}") else None
 
-    def recover(self, lineage: str) -> dict[str, int]:
-        """Delete this lineage's files that no committed version references."""
+    def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
+        """Delete this lineage's files that no committed version references (except in-flight)."""
         table = self._table()
         if table is None:
             return {"orphans_removed": 0}
         version = table.transaction_version(self.app_id(lineage))
         referenced = set(_referenced_paths(table))
         last = -1 if version is None else version
+        keep = {h["path"] for h in in_flight if h}
         removed = self._remove_files(
-            lineage, lambda b, name: b > last or name not in referenced
+            lineage, lambda b, name: name not in keep and (b > last or name not in referenced)
         )
         return {"orphans_removed": removed}
 

@@ -1,0 +1,254 @@
+"""Delta sink: exactly-once through every crash window of DESIGN.md section 3 (real Spark)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.errors import CheckpointError, ConfigError, OnceflowError
+from onceflow.job import CheckpointConfig, Job
+from onceflow.runtime.restart import fixed_delay
+from onceflow.sinks.delta import _FILE, DeltaSink
+from onceflow.verify.exactly_once import check_delta_table
+
+
+def seq(total: int, per_batch: int):
+    def source(spark):
+        return (
+            spark.readStream.format("onceflow-sequence")
+            .option("total", total)
+            .option("rows_per_second", 10_000_000)
+            .option("max_rows_per_batch", per_batch)
+            .load()
+        )
+
+    return source
+
+
+def make_job(tmp_path, total=6000, per_batch=1000, name="t", extra_sink=None, **kw) -> Job:
+    sink = DeltaSink(str(tmp_path / "table"))
+    if extra_sink:
+        sink_opts = sink.options() | extra_sink
+        sink.options = lambda: sink_opts  # type: ignore[method-assign]
+    return Job(
+        name=name,
+        source=seq(total, per_batch),
+        sink=sink,
+        checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0),
+        restart_strategy=fixed_delay(attempts=3, delay=0),
+        stop_when_idle=1.0,
+        **kw,
+    )
+
+
+def parquet_files(table_dir) -> set[str]:
+    return {n for n in os.listdir(table_dir) if n.endswith(".parquet")}
+
+
+def referenced(table_dir) -> set[str]:
+    adds = DeltaTable(str(table_dir)).get_add_actions(flatten=True)
+    return {os.path.basename(p) for p in pa.table(adds).column("path").to_pylist()}
+
+
+def test_exactly_once_and_restart_continues_without_reprocessing(spark, tmp_path):
+    make_job(tmp_path, total=5000).run(spark=spark)
+    report = check_delta_table(str(tmp_path / "table"), 5000)
+    assert report.ok, report
+    commits_before = [e for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "sink_commit"]
+    last_batch = max(e["batch"] for e in commits_before)
+
+    make_job(tmp_path, total=8000).run(spark=spark)
+    assert check_delta_table(str(tmp_path / "table"), 8000).ok
+    commits = [e for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "sink_commit"]
+    later = commits[len(commits_before):]
+    assert later and all(e["batch"] > last_batch for e in later), "committed batches were re-run"
+    assert not any(e["replay"] for e in commits)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        "before_precommit@2:raise",  # task fails before writing: Spark retries the task
+        "after_precommit@2:raise",  # task's file is durable, then it fails: orphan must go
+        "before_decide@2:raise",  # driver fails with every task pre-committed
+        "after_decide@2:raise",  # Delta: decision == commit, so batch is visible; replay skips
+        "mid_commit@2:raise",  # Delta: batch visible, orphan cleanup interrupted
+        "after_commit@2:raise",  # visible, Spark never wrote commits/2: replay must skip
+    ],
+)
+def test_crash_window(spark, tmp_path, rule):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    job = make_job(
+        tmp_path, total=5000,
+        extra_sink={"test_crash_at": rule, "test_crash_markers": str(markers)},
+    )
+    job.run(spark=spark)
+    assert os.listdir(markers), "the fault never fired: the test would prove nothing"
+    report = check_delta_table(str(tmp_path / "table"), 5000)
+    assert report.ok, report
+    # No orphan Parquet files of failed attempts remain once the job finished.
+    assert parquet_files(tmp_path / "table") == referenced(tmp_path / "table")
+    events = list(EventLog(str(tmp_path / "ckpt")).read())
+    if rule.split("@")[0] in ("after_decide", "mid_commit", "after_commit"):
+        assert any(e["event"] == "sink_commit" and e["batch"] == 2 and e["replay"] for e in events)
+        assert any(e["event"] == "restart" for e in events)
+
+
+def test_fingerprint_mismatch_stops_with_clear_error(spark, tmp_path):
+    make_job(tmp_path, total=3000, per_batch=1000).run(spark=spark)
+    ckpt = tmp_path / "ckpt"
+    # Simulate restoring an older snapshot under the same lineage: forget batches >= 2.
+    for sub in ("offsets", "commits"):
+        for n in os.listdir(ckpt / sub):
+            if n.isdigit() and int(n) >= 2:
+                os.remove(ckpt / sub / n)
+    with pytest.raises(OnceflowError, match="different source offsets.*--fork"):
+        make_job(tmp_path, total=3000, per_batch=700).run(spark=spark)
+    assert check_delta_table(str(tmp_path / "table"), 3000).ok
+
+
+def test_complete_mode_replaces_table_each_batch(spark, tmp_path):
+    def counts(df):
+        return df.groupBy("key").count()
+
+    job = make_job(tmp_path, total=4000, transform=counts, output_mode="complete")
+    job.sink = DeltaSink(str(tmp_path / "table"), mode="complete")
+    job.run(spark=spark)
+    rows = DeltaTable(str(tmp_path / "table")).to_pyarrow_table().to_pylist()
+    assert sorted((r["key"], r["count"]) for r in rows) == [(k, 250) for k in range(16)]
+
+
+def test_bad_input_is_refused_with_nothing_written(spark, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(CheckpointError, match="not writable"):
+        Job(name="t", source=seq(10, 10), sink=DeltaSink(str(tmp_path / "t")),
+            checkpoint=CheckpointConfig(str(blocker / "ckpt"))).run(spark=spark)
+
+    not_delta = tmp_path / "not_delta"
+    not_delta.mkdir()
+    (not_delta / "data.csv").write_text("a,b\n")
+    job = make_job(tmp_path)
+    job.sink = DeltaSink(str(not_delta))
+    with pytest.raises(ConfigError, match="not a Delta table"):
+        job.run(spark=spark)
+    assert os.listdir(not_delta) == ["data.csv"]
+
+    other = tmp_path / "other"
+    write_deltalake(str(other), pa.table({"name": ["a"]}))
+    job.sink = DeltaSink(str(other))
+    with pytest.raises(ConfigError, match="do not match table"):
+        job.run(spark=spark)
+    assert DeltaTable(str(other)).version() == 0
+
+    from onceflow.sinks.delta import DeltaDataSource
+
+    with pytest.raises(ConfigError, match="unknown option.*colour"):
+        DeltaDataSource({"path": str(tmp_path / "x"), "colour": "red"})
+    with pytest.raises(ConfigError, match="mode='upsert'"):
+        DeltaSink(str(tmp_path / "x"), mode="upsert").data_source()
+
+
+def test_direct_writestream_use(spark, tmp_path):
+    """Users who keep their own Spark code use the sink as a format."""
+    q = (
+        spark.readStream.format("onceflow-sequence").option("total", 3000)
+        .option("rows_per_second", 10_000_000).option("max_rows_per_batch", 1000).load()
+        .writeStream.format("onceflow-delta").option("path", str(tmp_path / "table"))
+        .option("checkpointLocation", str(tmp_path / "ckpt")).start()
+    )
+    try:
+        q.processAllAvailable()
+    finally:
+        q.stop()
+    assert check_delta_table(str(tmp_path / "table"), 3000).ok
+
+
+JOB_FILE = """
+import os
+from onceflow import Job, CheckpointConfig, DeltaSink, fixed_delay
+job = Job(
+    name="killable",
+    source=lambda spark: spark.readStream.format("onceflow-sequence")
+        .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 20000)
+        .option("max_rows_per_batch", 4000).load(),
+    sink=DeltaSink(os.environ["TABLE"]),
+    checkpoint=CheckpointConfig(os.environ["CKPT"], interval="200 ms"),
+    restart_strategy=fixed_delay(attempts=0, delay=0),
+    stop_when_idle=float(os.environ.get("IDLE", "2")),
+    master="local[2]",
+)
+"""
+
+
+def start_driver(tmp_path, env_extra) -> subprocess.Popen:
+    job_file = tmp_path / "job.py"
+    job_file.write_text(textwrap.dedent(JOB_FILE))
+    env = {**os.environ, "TABLE": str(tmp_path / "table"), "CKPT": str(tmp_path / "ckpt"), **env_extra}
+    return subprocess.Popen(
+        [sys.executable, "-m", "onceflow.runtime.driver", str(job_file)],
+        env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def committed_batches(tmp_path) -> int:
+    return sum(1 for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "sink_commit")
+
+
+@pytest.mark.slow
+def test_sigkill_after_commit_then_second_driver_refused_then_takeover(tmp_path):
+    """Real processes: SIGKILL right after the Delta commit (before Spark's commits/N); a second
+    driver is refused while the first lives; after the first is killed, the restart replays the
+    batch without duplicating it; SIGTERM then stops it gracefully."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {"TOTAL": "1000000000", "ONCEFLOW_CRASH_AT": "after_commit@3:kill",
+           "ONCEFLOW_CRASH_MARKER_DIR": str(markers)}
+    first = start_driver(tmp_path, env)
+    first.wait(timeout=120)
+    assert first.returncode == -signal.SIGKILL, first.stderr.read()
+    assert (markers / "fired-after_commit-3").exists()
+    ckpt = tmp_path / "ckpt"
+    assert not (ckpt / "commits" / "3").exists(), "crash came too late to test the window"
+
+    second = start_driver(tmp_path, env)
+    try:
+        wait_for(lambda: committed_batches(tmp_path) >= 8, 120, "the restarted driver to commit")
+        third = start_driver(tmp_path, env)
+        out, err = third.communicate(timeout=60)
+        assert third.returncode == 2 and "already running" in err, err
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=90)
+        assert second.returncode == 0, second.stderr.read()
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    table = DeltaTable(str(tmp_path / "table")).to_pyarrow_table()
+    top = max(table.column("id").to_pylist()) + 1
+    report = check_delta_table(str(tmp_path / "table"), top)
+    assert report.ok, report
+    replays = [e for e in EventLog(str(ckpt)).read() if e["event"] == "sink_commit" and e["replay"]]
+    assert [e["batch"] for e in replays] == [3]
+    assert json.loads((ckpt / "metadata").read_text())["id"]  # lineage kept across restarts
+    shutil.rmtree(markers)
