@@ -1,0 +1,15 @@
+"""Replayable sources whose offsets live only in Spark's checkpoint."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KafkaSource"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KafkaSource":  # lazy: confluent-kafka is an optional dependency
+        from onceflow.sources.kafka import KafkaSource
+
+        return KafkaSource
+    raise AttributeError(name)
