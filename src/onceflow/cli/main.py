@@ -1,0 +1,30 @@
+"""The ``onceflow`` command. Each subcommand lives in its own module and is added below."""
+
+from __future__ import annotations
+
+import click
+
+from onceflow import __version__
+from onceflow.cli.run import run
+from onceflow.errors import OnceflowError
+
+
+class _Main(click.Group):
+    """Turns any :class:`OnceflowError` into ``error: ...`` on stderr and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except OnceflowError as e:
+            click.echo(f"error: {e}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="onceflow")
+def main() -> None:
+    """Exactly-once machinery for PySpark Structured Streaming."""
+
+
+# One line per command.
+main.add_command(run)

@@ -1,0 +1,274 @@
+"""The process supervisor behind ``onceflow run``: restarts the driver process when it crashes.
+
+It runs ``python -m onceflow.runtime.driver TARGET`` in its own session and process group,
+with ``ONCEFLOW_DRIVER_PGID`` set to that group, and reads the exit:
+
+* 0: finished or stopped on request -> return 0;
+* 2: configuration or user error (the driver printed it) -> return 2, no restart;
+* 3: the driver's in-process restart strategy gave up -> return 3, no restart;
+* anything else, or death by a signal (kill -9, OOM killer): a crash -> the restart strategy
+  decides; when it gives up -> return 3.
+
+Guarantees: at most one driver group runs at a time (after the driver dies, whatever is left
+of its process group, the Spark JVM and Python workers, is SIGKILLed, and the supervisor
+waits for it to go before the next start); SIGTERM or SIGINT is forwarded to the driver as
+SIGTERM (it finishes or rolls back the in-flight batch), the supervisor waits up to
+``stop_timeout`` then SIGKILLs the group, and returns 0; a second SIGINT kills at once
+(returns 130). Every start, restart, give-up and stop is appended to the checkpoint's event
+log (``process_start``, ``restart``, ``gave_up``, ``stop``, all with ``scope="process"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.runtime.driver import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK
+from onceflow.runtime.restart import RestartStrategy, parse
+
+if TYPE_CHECKING:
+    from onceflow.job import Job
+
+log = logging.getLogger("onceflow.supervisor")
+
+EXIT_FORCED = 130  # stopped by a second SIGINT: the in-flight batch was abandoned (replayed next run)
+PGID_ENV = "ONCEFLOW_DRIVER_PGID"
+# ``onceflow run --checkpoint/--restart-strategy`` pass their overrides to the driver here.
+CHECKPOINT_ENV = "ONCEFLOW_CHECKPOINT"
+RESTART_STRATEGY_ENV = "ONCEFLOW_RESTART_STRATEGY"
+# With start_new_session the shell's pid is the new group's id; exec keeps that pid.
+_LAUNCH = ["/bin/sh", "-c", f'{PGID_ENV}=$$; export {PGID_ENV}; exec "$@"', "onceflow-driver"]
+
+
+def describe_exit(returncode: int) -> str:
+    """``killed by SIGKILL`` for a signal death, ``exited with code N`` otherwise."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def group_members(pgid: int) -> list[int] | None:
+    """Live (non-zombie) pids in process group ``pgid``; None where /proc is unavailable."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    pids = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            pids.append(int(name))
+    return pids
+
+
+def apply_overrides(job: Job, environ: Mapping[str, str] | None = None) -> Job:
+    """Apply the ``onceflow run`` overrides found in ``environ`` to ``job`` (for the driver)."""
+    environ = os.environ if environ is None else environ
+    if environ.get(CHECKPOINT_ENV):
+        job.checkpoint = dataclasses.replace(job.checkpoint, directory=environ[CHECKPOINT_ENV])
+    if environ.get(RESTART_STRATEGY_ENV):
+        job.restart_strategy = parse(environ[RESTART_STRATEGY_ENV])
+    return job
+
+
+class Supervisor:
+    """Runs the driver for ``target`` until it finishes, is stopped, or restarts run out.
+
+    ``strategy`` counts process crashes only (query failures are restarted inside the driver
+    by the job's own strategy). ``env``: the driver's environment (default: this process's).
+    ``child_cmd`` replaces ``python -m onceflow.runtime.driver TARGET`` (tests); ``extra_args``
+    are appended to either.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        strategy: RestartStrategy,
+        checkpoint_url: str,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        *,
+        child_cmd: Sequence[str] | None = None,
+        stop_timeout: float = 120.0,
+        poll_interval: float = 0.05,
+    ):
+        self.target, self.strategy = target, strategy
+        self.extra_args, self.env = tuple(extra_args), env
+        self.child_cmd = tuple(child_cmd) if child_cmd else None
+        self.stop_timeout, self.poll_interval = stop_timeout, poll_interval
+        self.events = EventLog(checkpoint_url)
+        self._proc: subprocess.Popen | None = None
+        self._proc_done = False  # the driver has exited (its pid may be reaped any moment)
+        self._stop_signal: str | None = None
+        self._stop_deadline = float("inf")
+        self._force = False
+
+    def command(self) -> list[str]:
+        base = self.child_cmd or (sys.executable, "-m", "onceflow.runtime.driver", self.target)
+        return [*base, *self.extra_args]
+
+    # ---- main loop -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Supervise until done; returns the exit code for ``onceflow run`` (see module doc)."""
+        log.info("supervising %s, process restarts: %s; events: %s",
+                 self.target, self.strategy.describe(), self.events.url)
+        with self._signal_handlers():
+            attempt = 0
+            while True:
+                attempt += 1
+                proc, started = self._start(attempt)
+                rc = self._wait(proc)
+                crashed_at, uptime = time.time(), time.monotonic() - started
+                if self._stop_signal is not None:
+                    return self._stopped(rc)
+                if rc == EXIT_OK:
+                    log.info("driver finished (exit 0)")
+                    self.events.append("stop", reason="finished", exit_code=rc, scope="process")
+                    return EXIT_OK
+                if rc in (EXIT_CONFIG, EXIT_GAVE_UP):
+                    why = ("a configuration or user error" if rc == EXIT_CONFIG
+                           else "its in-process restart strategy gave up")
+                    log.error("driver exited with code %d (%s, see its message above); not restarting", rc, why)
+                    reason = "config_error" if rc == EXIT_CONFIG else "gave_up_in_process"
+                    self.events.append("stop", reason=reason, exit_code=rc, scope="process")
+                    return rc
+                cause = describe_exit(rc)
+                delay = self.strategy.on_failure()
+                crash = {"cause": cause, "exit_code": rc, "crashed_at": round(crashed_at, 3),
+                         "uptime_s": round(uptime, 3), "scope": "process"}
+                if delay is None:
+                    log.error("driver %s after %.1fs; restart strategy %s gave up after %d restart(s); "
+                              "not restarting", cause, uptime, self.strategy.describe(), attempt - 1)
+                    self.events.append("gave_up", attempts=attempt, **crash)
+                    return EXIT_GAVE_UP
+                log.warning("driver %s after %.1fs; restart %d in %.1fs (%s)",
+                            cause, uptime, attempt, delay, self.strategy.describe())
+                self.events.append("restart", delay_s=round(delay, 3), attempt=attempt, **crash)
+                if self._sleep(delay):
+                    return self._stopped(None)
+
+    def _start(self, attempt: int) -> tuple[subprocess.Popen, float]:
+        env = dict(os.environ if self.env is None else self.env)
+        cmd = self.command()
+        proc = subprocess.Popen([*_LAUNCH, *cmd], env=env, start_new_session=True)
+        started = time.monotonic()
+        self._proc, self._proc_done = proc, False
+        log.info("driver started: pid %d, attempt %d: %s", proc.pid, attempt, " ".join(cmd))
+        self.events.append("process_start", attempt=attempt, pid=proc.pid,
+                           supervisor_pid=os.getpid(), scope="process")
+        if self._stop_signal is not None:  # a stop arrived while starting
+            self._forward_stop()
+        return proc, started
+
+    def _wait(self, proc: subprocess.Popen) -> int:
+        """Wait for the driver, kill what is left of its group, reap it; its returncode."""
+        killed = False
+        while not self._exited(proc):
+            if not killed and (self._force or time.monotonic() > self._stop_deadline):
+                why = "second SIGINT" if self._force else f"not stopped after {self.stop_timeout:g}s"
+                log.warning("%s: killing the driver's process group %d", why, proc.pid)
+                self._killpg(proc.pid)
+                killed = True
+            time.sleep(self.poll_interval)
+        self._proc_done = True
+        self._kill_leftovers(proc.pid)  # the unreaped driver keeps its pgid from being reused
+        return proc.wait()
+
+    @staticmethod
+    def _exited(proc: subprocess.Popen) -> bool:
+        if hasattr(os, "waitid"):  # look without reaping
+            return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        return proc.poll() is not None
+
+    @staticmethod
+    def _killpg(pgid: int) -> None:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _kill_leftovers(self, pgid: int, wait_s: float = 10.0) -> None:
+        left = group_members(pgid)
+        if left == []:
+            return
+        if left:
+            log.info("killing %d leftover process(es) of the driver's group: %s",
+                     len(left), " ".join(map(str, left)))
+        self._killpg(pgid)
+        deadline = time.monotonic() + wait_s
+        while left and time.monotonic() < deadline:
+            time.sleep(0.02)
+            left = group_members(pgid)
+        if left:
+            log.warning("processes %s of group %d survive SIGKILL after %gs", left, pgid, wait_s)
+
+    def _sleep(self, delay: float) -> bool:
+        """Sleep ``delay`` seconds; True if a stop was requested meanwhile."""
+        end = time.monotonic() + delay
+        while self._stop_signal is None and (remaining := end - time.monotonic()) > 0:
+            time.sleep(min(self.poll_interval, remaining))
+        return self._stop_signal is not None
+
+    def _stopped(self, rc: int | None) -> int:
+        if rc is None:
+            log.info("stopped (%s) while waiting to restart", self._stop_signal)
+        elif rc == EXIT_OK:
+            log.info("driver stopped cleanly (%s)", self._stop_signal)
+        else:
+            log.warning("driver %s while stopping (%s)", describe_exit(rc), self._stop_signal)
+        self.events.append("stop", reason="signal", signal=self._stop_signal, exit_code=rc,
+                           forced=self._force, scope="process")
+        return EXIT_FORCED if self._force else EXIT_OK
+
+    # ---- signals -------------------------------------------------------------------------
+
+    @contextmanager
+    def _signal_handlers(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signal handlers can only be installed from the main thread
+            return
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        name = signal.Signals(signum).name
+        if self._stop_signal is None:
+            self._stop_signal = name
+            self._stop_deadline = time.monotonic() + self.stop_timeout
+            log.info("%s received: stopping the driver (SIGTERM, then SIGKILL after %gs; "
+                     "press Ctrl-C again to kill now)", name, self.stop_timeout)
+            self._forward_stop()
+        elif signum == signal.SIGINT:
+            self._force = True
+        else:
+            log.info("%s received again: still waiting for the driver to stop", name)
+
+    def _forward_stop(self) -> None:
+        if self._proc is not None and not self._proc_done:
+            try:  # not Popen.send_signal: it would reap the driver before its group is killed
+                os.kill(self._proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
