@@ -2,8 +2,8 @@
 
 Set ``ONCEFLOW_CRASH_AT`` (or the sink option ``test_crash_at``) to ``point[@batch][:mode]`` (comma-separated for several):
 ``point`` is one of :data:`POINTS`; ``batch`` limits it to one batch id; ``mode`` is
-``kill`` (SIGKILL the whole driver process group: a machine crash, the default for
-driver-side points) or ``raise`` (the task or commit raises: an executor/task failure).
+``kill`` (SIGKILL the whole driver process group: a machine crash; only for drivers started
+in their own session, as ``onceflow run`` does) or ``raise`` (the task or commit raises: an executor/task failure).
 A point fires at most once per ``ONCEFLOW_CRASH_MARKER_DIR`` (a marker file records it),
 so the restarted driver gets past it. Unset in production; costs one dict lookup.
 """
@@ -66,5 +66,8 @@ def maybe_crash(
             os.close(fd)
         if mode == "raise":
             raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")
-        pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getpgid(0)
+        # PySpark's worker daemon puts workers in their own process group, so target the
+        # driver's group: named by the supervisor, else the session leader (the driver was
+        # started with start_new_session, so its pid is both the session and group id).
+        pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
         os.killpg(pgid, signal.SIGKILL)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from onceflow import __version__
+from onceflow.cli.demo import demo
 from onceflow.cli.run import run
 from onceflow.errors import OnceflowError
 
@@ -28,3 +29,4 @@ def main() -> None:
 
 # One line per command.
 main.add_command(run)
+main.add_command(demo)

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(levelname)s %(message)s")
     from onceflow.runtime.loader import load_job
     from onceflow.runtime.runner import GaveUp
+    from onceflow.runtime.supervisor import apply_overrides
 
     stop = threading.Event()
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
-        job = load_job(argv[0])
+        job = apply_overrides(load_job(argv[0]))
         job.run(stop=stop)
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)

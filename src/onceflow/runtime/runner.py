@@ -175,6 +175,7 @@ class JobRunner:
         recovered = False
         active_since: float | None = None
         idle_since: float | None = None
+        stop_after: int | None = None  # batch id in flight when a stop was requested
         while True:
             if query.awaitTermination(0.25):
                 self._record_progress(query, seen)
@@ -201,9 +202,13 @@ class JobRunner:
             if cfg.batch_timeout_s and active_since and now - active_since > cfg.batch_timeout_s:
                 query.stop()
                 raise RuntimeError(f"BatchTimeout: batch ran longer than {cfg.batch_timeout_s}s")
-            if self.stop.is_set() and not active:
-                query.stop()
-                return
+            if self.stop.is_set():
+                # Let the in-flight batch finish; stop before the next one gets far.
+                if stop_after is None:
+                    stop_after = seen
+                if not active or seen > stop_after:
+                    query.stop()
+                    return
             if job.stop_when_idle is not None and idle_since and now - idle_since >= job.stop_when_idle:
                 query.stop()
                 return

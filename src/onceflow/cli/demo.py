@@ -1,0 +1,30 @@
+"""``onceflow demo``: exactly-once under real driver crashes, no server needed."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+
+
+@click.command()
+@click.option("--events", default=2_500_000, show_default=True, type=click.IntRange(1000),
+              help="Event ids 0..N-1 to push through the pipeline.")
+@click.option("--rate", default=50_000, show_default=True, type=click.IntRange(100),
+              help="Events per second the source makes available.")
+@click.option("--kills", default=3, show_default=True, type=click.IntRange(0),
+              help="How many times to SIGKILL the driver at random moments.")
+@click.option("--dir", "workdir", default="onceflow-demo", show_default=True,
+              help="Work directory (table, checkpoint, logs); wiped at start.")
+@click.option("--seed", type=int, default=None, help="Random seed for the kill moments.")
+def demo(events: int, rate: int, kills: int, workdir: str, seed: int | None) -> None:
+    """Run the seeds/000 scenario: crash the driver, restart, prove exactly-once."""
+    from onceflow.demo import DemoRunner, print_result
+
+    console = Console()
+    console.print(f"onceflow demo: {events:,} events at {rate:,}/s -> running count per key -> "
+                  f"Delta table in {workdir}/events; {kills} driver SIGKILLs")
+    result = DemoRunner(workdir, events, rate, kills, seed, console).run()
+    print_result(result, console)
+    sys.exit(0 if result.ok else 1)

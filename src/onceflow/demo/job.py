@@ -1,0 +1,57 @@
+"""The demo job (seeds/000): consecutive event ids -> running count per key -> Delta.
+
+Configured by environment variables so the supervisor can restart it unchanged:
+ONCEFLOW_DEMO_DIR (work directory), ONCEFLOW_DEMO_EVENTS, ONCEFLOW_DEMO_RATE.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
+
+OUTPUT = "id long, key long, event_time timestamp, running_count long"
+
+
+def running_count(key, frames: Iterator, state) -> Iterator:
+    """Each event with its key's running count; the count lives in Spark's state store."""
+    import numpy as np
+    import pandas as pd
+
+    seen = state.get[0] if state.exists else 0
+    batch = pd.concat(list(frames)).sort_values("id")  # deterministic order on replay
+    batch["running_count"] = seen + np.arange(1, len(batch) + 1, dtype="int64")
+    state.update((seen + len(batch),))
+    yield batch[["id", "key", "event_time", "running_count"]]
+
+
+def transform(df):
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    return df.groupBy("key").applyInPandasWithState(
+        running_count, OUTPUT, "count long", "append", GroupStateTimeout.NoTimeout
+    )
+
+
+def source(spark):
+    return (
+        spark.readStream.format("onceflow-sequence")
+        .option("total", int(os.environ.get("ONCEFLOW_DEMO_EVENTS", 2_500_000)))
+        .option("rows_per_second", int(os.environ.get("ONCEFLOW_DEMO_RATE", 50_000)))
+        .option("keys", 16)
+        .load()
+    )
+
+
+_dir = os.environ.get("ONCEFLOW_DEMO_DIR", "onceflow-demo")
+job = Job(
+    name="demo",
+    source=source,
+    transform=transform,
+    sink=DeltaSink(os.path.join(_dir, "events")),
+    checkpoint=CheckpointConfig(os.path.join(_dir, "checkpoint"), interval="1 s"),
+    restart_strategy=fixed_delay(attempts=10, delay=0.5),
+    stop_when_idle=3.0,
+    master="local[2]",
+)
