@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs onceflow into ./.venv on a fresh machine.  Usage: ./setup.sh [test]
+#   (no argument) runtime only;  test  also the test extras and the PostgreSQL server.
+set -euo pipefail
+cd "$(dirname "$0")"
+want_test=${1:-}
+
+need_apt() {  # install Debian packages when we can (root + apt), else say how
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing $* with apt-get" >&2
+    (apt-get install -y -q "$@" >/dev/null 2>&1) || (apt-get update -q >/dev/null && apt-get install -y -q "$@" >/dev/null)
+  else
+    echo "setup: missing $*; install it (Debian/Ubuntu: sudo apt-get install -y $*) and run ./setup.sh again" >&2
+    exit 1
+  fi
+}
+
+py=${PYTHON:-python3}
+"$py" -c 'import sys; assert sys.version_info >= (3, 11), "Python 3.11+ needed"' \
+  || { echo "setup: Python 3.11 or newer is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+
+java_ok() { command -v java >/dev/null && java -version 2>&1 | grep -Eq 'version "(1[7-9]|2[0-9])'; }
+java_ok || need_apt openjdk-17-jre-headless
+java_ok || { echo "setup: Java 17+ still not found on PATH; install it and retry" >&2; exit 1; }
+
+if [ "$want_test" = test ] && [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then
+  need_apt postgresql-15
+fi
+
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+if [ "$want_test" = test ]; then
+  .venv/bin/python -m pip install -q -e ".[test]"
+else
+  .venv/bin/python -m pip install -q -e .
+fi
+echo "setup: done (.venv ready)" >&2
