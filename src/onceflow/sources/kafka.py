@@ -341,6 +341,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.schema = schema
         self._cluster: KafkaCluster | None = None
         self._available_now: Offsets | None = None
+        self._group_committed: dict | None = None
         self.skipped_records = 0  # records lost to data loss and skipped (failOnDataLoss=false)
 
     def __getstate__(self) -> dict:
@@ -375,6 +376,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
         begin = from_json(start)
+        # Spark plans batch N+1 only after batch N (ending at ``start``) is committed, and never
+        # calls commit() for the last batch before a stop: report lag from here as well.
+        self.commit(start or {})
         latest = self._latest()
         if self._available_now is not None:  # Trigger.AvailableNow: nothing after the target
             latest = {tp: min(o, self._available_now.get(tp, begin.get(tp, 0)))
@@ -454,8 +458,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict) -> None:
         """Commit processed offsets to ``groupId`` for lag dashboards; never read back, and a
         failure is only logged (the checkpoint, not the group, is the source of truth)."""
-        if not self.s.group_id:
+        if not self.s.group_id or not end or end == self._group_committed:
             return
+        self._group_committed = end
         from confluent_kafka import Consumer, KafkaException, TopicPartition
 
         offsets = [TopicPartition(t, p, o) for (t, p), o in from_json(end).items()]

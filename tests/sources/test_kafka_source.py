@@ -1,0 +1,204 @@
+"""The Kafka source against a real broker (tansu) and a real local Spark."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from kafka_broker import create_topic, delete_topic, produce
+from onceflow.errors import ConfigError
+from onceflow.sources.kafka import SCHEMA, KafkaSource, cap_offsets, parse_options
+
+
+def run_available_now(df, tmp: Path, name: str = "out"):
+    """Run ``df`` to a parquet sink with Trigger.AvailableNow; return (rows, query)."""
+    out, cp = tmp / name, tmp / f"{name}-cp"
+    q = (df.writeStream.format("parquet").option("path", str(out))
+         .option("checkpointLocation", str(cp)).trigger(availableNow=True).start())
+    assert q.awaitTermination(120), "query did not finish"
+    assert q.exception() is None, q.exception()
+    spark = df.sparkSession
+    rows = spark.read.parquet(str(out)).collect() if (out / "_spark_metadata").exists() else []
+    return rows, q
+
+
+def last_checkpoint_offsets(cp: Path) -> dict:
+    """The source offsets Spark wrote in the newest ``offsets/N`` file of the checkpoint."""
+    newest = max((cp / "offsets").iterdir(), key=lambda f: int(f.name) if f.name.isdigit() else -1)
+    return json.loads(newest.read_text().strip().splitlines()[-1])
+
+
+def test_reads_every_record_exactly_once_with_spark_kafka_schema(spark, kafka_broker, topic_name, tmp_path):
+    create_topic(kafka_broker, topic_name, 3)
+    produce(kafka_broker, topic_name, [f"v{i}" for i in range(90)], partitions=3,
+            headers=[("h", b"x")])
+    df = KafkaSource(kafka_broker, topics=topic_name, starting_offsets="earliest").load(spark)
+    assert df.schema == SCHEMA
+    rows, _ = run_available_now(df, tmp_path)
+    assert sorted(r.value.decode() for r in rows) == sorted(f"v{i}" for i in range(90))
+    assert {(r.partition, r.offset) for r in rows} == {(p, o) for p in range(3) for o in range(30)}
+    r = rows[0]
+    assert r.topic == topic_name and r.timestampType == 0 and r.timestamp is not None
+    assert [(h.key, h.value) for h in r.headers] == [("h", b"x")]
+    assert int(r.key) % 3 == r.partition  # key i was produced to partition i % 3
+    assert last_checkpoint_offsets(tmp_path / "out-cp") == {topic_name: {"0": 30, "1": 30, "2": 30}}
+
+
+def test_restart_continues_from_checkpoint_not_starting_offsets(spark, kafka_broker, topic_name, tmp_path):
+    """seeds/004: stop, produce more, restart on the same checkpoint → only the new records,
+    although startingOffsets=earliest would re-read everything. Group commits are lag-only."""
+    create_topic(kafka_broker, topic_name, 3)
+    produce(kafka_broker, topic_name, [f"a{i}" for i in range(30)], partitions=3)
+    source = KafkaSource(kafka_broker, topics=[topic_name], starting_offsets="earliest",
+                         group_id=f"lag-{topic_name}")
+    first, _ = run_available_now(source.load(spark), tmp_path)
+    assert len(first) == 30
+
+    consumer = Consumer({"bootstrap.servers": kafka_broker, "group.id": f"lag-{topic_name}"})
+    committed = consumer.committed([TopicPartition(topic_name, p) for p in range(3)], timeout=10)
+    consumer.close()
+    assert [tp.offset for tp in committed] == [10, 10, 10]
+
+    produce(kafka_broker, topic_name, [f"b{i}" for i in range(12)], partitions=3)
+    rows, _ = run_available_now(source.load(spark), tmp_path)
+    new = sorted(r.value.decode() for r in rows if r.value.decode().startswith("b"))
+    assert len(rows) == 42 and new == sorted(f"b{i}" for i in range(12))
+    assert len({(r.partition, r.offset) for r in rows}) == 42
+    assert last_checkpoint_offsets(tmp_path / "out-cp") == {topic_name: {str(p): 14 for p in range(3)}}
+
+
+def test_max_offsets_per_trigger_limits_each_batch(spark, kafka_broker, topic_name, tmp_path):
+    create_topic(kafka_broker, topic_name, 3)
+    # uneven partitions: 30 / 15 / 5 records
+    produce(kafka_broker, topic_name, [f"x{i}" for i in range(30)], partition=0)
+    produce(kafka_broker, topic_name, [f"y{i}" for i in range(15)], partition=1)
+    produce(kafka_broker, topic_name, [f"z{i}" for i in range(5)], partition=2)
+    df = KafkaSource(kafka_broker, topics=topic_name, starting_offsets="earliest",
+                     max_offsets_per_trigger=20).load(spark)
+    rows, q = run_available_now(df, tmp_path)
+    sizes = [p.numInputRows for p in q.recentProgress if p.numInputRows]
+    assert sizes == [20, 20, 10]
+    first_end = json.loads(q.recentProgress[0].sources[0].endOffset)[topic_name]
+    assert first_end == {"0": 12, "1": 6, "2": 2}  # 20 split 30:15:5
+    assert len(rows) == 50 and len({(r.partition, r.offset) for r in rows}) == 50
+
+
+def test_cap_offsets_is_proportional_bounded_and_progresses():
+    a, b, c = ("t", 0), ("t", 1), ("t", 2)
+    assert cap_offsets({a: 0, b: 0}, {a: 100, b: 100}, 1000) == {a: 100, b: 100}
+    assert cap_offsets({a: 10, b: 0}, {a: 40, b: 10, c: 0}, 8) == {a: 16, b: 2, c: 0}
+    one = cap_offsets({a: 0, b: 0, c: 0}, {a: 5, b: 5, c: 5}, 1)
+    assert sum(one.values()) == 1  # never stalls, never exceeds the limit
+
+
+def test_new_topic_matching_pattern_is_read_from_its_start(spark, kafka_broker, topic_name):
+    """New partitions appear while running. tansu refuses CreatePartitions, so the new
+    partitions come from a new topic matching subscribePattern (same code path)."""
+    create_topic(kafka_broker, f"{topic_name}-a", 2)
+    produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10)], partitions=2)
+    df = KafkaSource(kafka_broker, pattern=f"{topic_name}-.*", starting_offsets="earliest").load(spark)
+    q = (df.writeStream.format("memory").queryName(topic_name.replace("-", "_"))
+         .trigger(processingTime="300 milliseconds").start())
+    table = topic_name.replace("-", "_")
+
+    def values() -> list[str]:
+        return sorted(r.value.decode() for r in spark.sql(f"select value from {table}").collect())
+
+    def wait_for(n: int) -> list[str]:
+        deadline = time.monotonic() + 60
+        while len(got := values()) < n and time.monotonic() < deadline and q.isActive:
+            time.sleep(0.3)
+        return got
+
+    try:
+        assert wait_for(10) == sorted(f"a{i}" for i in range(10))
+        create_topic(kafka_broker, f"{topic_name}-b", 3)
+        produce(kafka_broker, f"{topic_name}-b", [f"b{i}" for i in range(9)], partitions=3)
+        assert wait_for(19) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(9)])
+    finally:
+        q.stop()
+    assert q.exception() is None
+
+
+def test_transactional_records(spark, kafka_broker, topic_name, tmp_path):
+    """Committed transactions are read; control records leave offset gaps that end a range."""
+    create_topic(kafka_broker, topic_name, 1)
+    produce(kafka_broker, topic_name, [f"c{i}" for i in range(5)], partition=0, transactional_id=topic_name)
+    produce(kafka_broker, topic_name, [f"x{i}" for i in range(5)], partition=0,
+            transactional_id=topic_name, abort=True)
+    produce(kafka_broker, topic_name, ["d0", "d1"], partition=0, transactional_id=topic_name)
+    df = KafkaSource(kafka_broker, topics=topic_name, starting_offsets="earliest").load(spark)
+    rows, _ = run_available_now(df, tmp_path)
+    got = {r.value.decode(): r.offset for r in rows}
+    # Layout: c0..c4 at 0-4, commit marker 5, x0..x4 at 6-10, abort marker 11, d0 d1 at 12-13,
+    # commit marker 14. The range ends at 15, after a control record: the reader must stop on
+    # its position, not on a record.
+    assert {k: v for k, v in got.items() if k[0] in "cd"} == {
+        "c0": 0, "c1": 1, "c2": 2, "c3": 3, "c4": 4, "d0": 12, "d1": 13}
+    assert last_checkpoint_offsets(tmp_path / "out-cp") == {topic_name: {"0": 15}}
+    # Observed with tansu 0.6: read_committed does NOT hide aborted records, they are returned
+    # (x0..x4 at 6-10). A real Kafka broker would drop them. If this fails, tansu changed.
+    assert {k: v for k, v in got.items() if k[0] == "x"} == {f"x{i}": 6 + i for i in range(5)}
+
+
+def test_recreated_topic_is_data_loss_unless_allowed(spark, kafka_broker, topic_name, tmp_path):
+    create_topic(kafka_broker, topic_name, 1)
+    produce(kafka_broker, topic_name, [f"old{i}" for i in range(10)], partition=0)
+    source = KafkaSource(kafka_broker, topics=topic_name, starting_offsets="earliest")
+    first, _ = run_available_now(source.load(spark), tmp_path)
+    assert len(first) == 10
+    delete_topic(kafka_broker, topic_name)
+    create_topic(kafka_broker, topic_name, 1)
+    produce(kafka_broker, topic_name, ["new0", "new1", "new2"], partition=0)
+
+    with pytest.raises(Exception, match=rf"topic {topic_name} partition 0: the log now ends at offset 3"):
+        run_available_now(source.load(spark), tmp_path)
+
+    source.fail_on_data_loss = False
+    rows, _ = run_available_now(source.load(spark), tmp_path)
+    assert sorted(r.value.decode() for r in rows) == sorted(
+        [f"old{i}" for i in range(10)] + ["new0", "new1", "new2"])
+    assert last_checkpoint_offsets(tmp_path / "out-cp") == {topic_name: {"0": 3}}
+
+
+def test_bad_inputs_fail_early_with_clear_messages(spark, kafka_broker, topic_name):
+    create_topic(kafka_broker, topic_name, 2)
+    with pytest.raises(ConfigError, match=r"cannot reach Kafka at 127\.0\.0\.1:1 within 1s"):
+        KafkaSource("127.0.0.1:1", topics=topic_name, metadata_timeout_ms=1000).load(spark)
+    with pytest.raises(ConfigError, match=r"topic\(s\) no-such-topic do not exist"):
+        KafkaSource(kafka_broker, topics=["no-such-topic"]).load(spark)
+    with pytest.raises(ConfigError, match="startingOffsets must be 'earliest', 'latest' or JSON"):
+        KafkaSource(kafka_broker, topics=topic_name, starting_offsets="oldest").load(spark)
+    with pytest.raises(ConfigError, match="invalid kafka.* option"):
+        KafkaSource(kafka_broker, topics=topic_name, consumer_options={"no.such.prop": "1"}).load(spark)
+    # Spark's own format() path: the same message, wrapped by Spark, at load()
+    with pytest.raises(Exception, match=r"unknown option\(s\) bogus"):
+        (spark.readStream.format("onceflow-kafka").option("kafka.bootstrap.servers", kafka_broker)
+         .option("subscribe", topic_name).option("bogus", "1").load())
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"subscribe": "t"}, "kafka.bootstrap.servers is required"),
+    ({"kafka.bootstrap.servers": "h:1"}, "exactly one of subscribe"),
+    ({"kafka.bootstrap.servers": "h:1", "subscribe": "t", "startingOffsets": '{"t":{"0":-3}}'},
+     "startingOffsets must be"),
+    ({"kafka.bootstrap.servers": "h:1", "subscribe": "t", "startingOffsets": '{"u":{"0":1}}'},
+     "names topic"),
+    ({"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxOffsetsPerTrigger": "0"}, "at least 1"),
+    ({"kafka.bootstrap.servers": "h:1", "subscribe": "t", "failOnDataLoss": "maybe"}, "true or false"),
+    ({"kafka.bootstrap.servers": "h:1", "subscribe": "t", "kafka.group.id": "g"}, "use groupId"),
+])
+def test_option_errors(options, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_options(options)
+
+
+def test_options_parse_like_spark():
+    s = parse_options({"kafka.bootstrap.servers": "h:1", "SUBSCRIBE": "a, b",
+                       "startingOffsets": '{"a":{"0":23,"1":-2}}', "maxOffsetsPerTrigger": "7"})
+    assert s.topics == ("a", "b") and s.starting == {"a": {"0": 23, "1": -2}}
+    assert s.max_offsets_per_trigger == 7 and s.read_committed and s.fail_on_data_loss
