@@ -507,10 +507,9 @@ def read_range(settings: Settings, schema: StructType,
             for m in consumer.consume(num_messages=min(batch_rows, end - pos), timeout=1.0):
                 err = m.error()
                 if err is not None:
-                    if err.code() == KafkaError._OFFSET_OUT_OF_RANGE:
-                        raise KafkaDataLossError(
-                            f"{NAME}: topic {t} partition {p}: offset {pos} is out of range while "
-                            f"reading [{part.start}, {end}): records were deleted during the read")
+                    if err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+                        pos = _skip_deleted(consumer, settings, part, pos)
+                        break
                     if err.fatal() or err.code() in read_fatal:
                         raise OnceflowError(f"{NAME}: reading topic {t} partition {p}: {err.str()}")
                     log.warning("%s: topic %s partition %d: %s (retrying)", NAME, t, p, err.str())
@@ -541,6 +540,25 @@ def read_range(settings: Settings, schema: StructType,
             yield _batch(cols, arrow_schema)
     finally:
         consumer.close()
+
+
+def _skip_deleted(consumer, settings: Settings, part: KafkaInputPartition, pos: int) -> int:
+    """Offset ``pos`` was deleted after planning: fail, or (failOnDataLoss=false) log the lost
+    range and continue at the new start of the log; returns the new position."""
+    from confluent_kafka import TopicPartition
+
+    t, p = part.topic, part.partition
+    low, _ = consumer.get_watermark_offsets(TopicPartition(t, p),
+                                            timeout=settings.metadata_timeout_ms / 1000)
+    msg = (f"topic {t} partition {p}: offsets [{pos}, {low}) were deleted while reading "
+           f"[{part.start}, {part.end})")
+    if settings.fail_on_data_loss or low <= pos:
+        raise KafkaDataLossError(f"{NAME}: {msg}. Restore from a savepoint, or set "
+                                 "failOnDataLoss=false to skip them")
+    new_pos = min(low, part.end)
+    log.warning("%s: %s; skipped %d records (failOnDataLoss=false)", NAME, msg, new_pos - pos)
+    consumer.assign([TopicPartition(t, p, new_pos)])
+    return new_pos
 
 
 def _read_fatal_codes() -> set[int]:
