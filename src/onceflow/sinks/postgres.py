@@ -1,0 +1,763 @@
+"""Exactly-once PostgreSQL sink on psycopg 3 (DESIGN.md sections 3 and 4).
+
+Modes and their guarantees:
+
+* ``two_phase`` (default; needs ``max_prepared_transactions`` > 0): each task COPYs its
+  partition inside a transaction and ``PREPARE TRANSACTION``\\ s it under a global id
+  ``onceflow:<sink>:<lineage>:<batch>:<partition>:<attempt>:<run>``. The driver records the
+  decision (batch, fingerprint, gids) in the onceflow commit log, then ``COMMIT PREPARED``\\ s
+  every gid. **Exactly-once, and a batch becomes visible as a whole** (modulo the instants
+  between the individual COMMIT PREPARED statements of one batch).
+* ``idempotent`` (for servers without prepared transactions): each task writes its rows and a
+  (sink, lineage, batch, partition) marker in one local transaction; a replayed task that
+  finds its marker writes nothing. **Exactly-once effect, weaker visibility**: a batch becomes
+  visible partition by partition, and a failed batch can stay partly visible until it is
+  replayed (always the next thing the same lineage does).
+
+Write kinds: ``append`` (COPY into the table) and ``upsert`` (COPY into a staging table, then
+``INSERT ... ON CONFLICT (keys) DO UPDATE``). Within one task the last row per key wins
+(row order of the partition); across partitions of one batch Spark must co-locate keys
+(``df.repartition("key")``) or the rows must be deduplicated first.
+
+Safety invariants: a decision only lists gids that were still prepared when it was recorded,
+and an undecided gid is only rolled back under the same per-lineage lock after re-reading the
+decisions (so a decided gid is never rolled back). The fence is a session advisory lock per
+(sink, lineage) held by :meth:`PostgresDataSource.open`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import psycopg
+import pyarrow as pa
+import pyarrow.csv as pacsv
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pyspark.sql import types as T
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from onceflow.errors import ConfigError, FencedError, SinkError
+from onceflow.faults import maybe_crash
+from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink
+
+log = logging.getLogger(__name__)
+
+FORMAT = "onceflow-postgres"
+GID = re.compile(
+    r"^onceflow:(?P<sink>[A-Za-z0-9_.-]+):(?P<lineage>[^:]+):(?P<batch>\d+):(?P<partition>\d+)"
+    r":(?P<attempt>\d+):(?P<run>[0-9a-z-]+)$"
+)
+_SINK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_CSV = pacsv.WriteOptions(include_header=False)
+_R = TypeVar("_R")
+
+# ---- DSN handling: the password never leaves this module in clear ---------------------------
+
+
+def split_dsn(dsn: str) -> tuple[str, str | None]:
+    """(DSN without password as key=value conninfo, password or None). Accepts URL or key=value."""
+    try:
+        params = conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as e:
+        raise ConfigError(f"{FORMAT}: cannot parse the DSN ({_scrub(str(e), dsn)})") from None
+    password = params.pop("password", None)
+    return make_conninfo(**{k: str(v) for k, v in params.items()}), password
+
+
+def where(dsn: str) -> str:
+    """``host:port/dbname`` for messages (never the password)."""
+    params = conninfo_to_dict(split_dsn(dsn)[0])
+    return f"{params.get('host', 'localhost')}:{params.get('port', 5432)}/{params.get('dbname', params.get('user', ''))}"
+
+
+def mask_dsn(dsn: str) -> str:
+    """The DSN with its password replaced by ``***``."""
+    safe, password = split_dsn(dsn)
+    return make_conninfo(safe, password="***") if password else safe
+
+
+def _scrub(text: str, *secrets: str | None) -> str:
+    for s in secrets:
+        if s:
+            text = text.replace(s, "***")
+    return re.sub(r"(password\s*=\s*|://[^:/@\s]+:)[^@\s]+(@?)", r"\1***\2", text)
+
+
+def _key(*parts: str) -> int:
+    """A signed 64-bit advisory-lock key."""
+    return int.from_bytes(hashlib.sha256(":".join(parts).encode()).digest()[:8], "big", signed=True)
+
+
+# ---- types ---------------------------------------------------------------------------------
+
+_PG_TYPES: dict[type, str] = {
+    T.LongType: "bigint", T.IntegerType: "integer", T.ShortType: "smallint", T.ByteType: "smallint",
+    T.DoubleType: "double precision", T.FloatType: "real", T.StringType: "text",
+    T.BinaryType: "bytea", T.BooleanType: "boolean", T.TimestampType: "timestamp with time zone",
+    T.TimestampNTZType: "timestamp without time zone", T.DateType: "date",
+}
+# table types a stream type may also be written into (widening / equivalent text types)
+_ALSO: dict[str, set[str]] = {
+    "integer": {"bigint", "numeric"}, "smallint": {"integer", "bigint", "numeric"},
+    "bigint": {"numeric"}, "real": {"double precision"},
+    "text": {"character varying", "character", "jsonb", "json"},
+    "timestamp with time zone": {"timestamp without time zone"},
+}
+
+
+def pg_type(dt: T.DataType) -> str:
+    """PostgreSQL type for a Spark type; raises ConfigError for unsupported ones."""
+    if isinstance(dt, T.DecimalType):
+        return f"numeric({dt.precision},{dt.scale})"
+    for spark_type, name in _PG_TYPES.items():
+        if isinstance(dt, spark_type):
+            return name
+    raise ConfigError(f"{FORMAT}: Spark type {dt.simpleString()} is not supported; cast it (e.g. to_json for nested types)")
+
+
+def _type_ok(want: str, have: str) -> bool:
+    base = re.sub(r"\(.*\)", "", have).strip()
+    want_base = re.sub(r"\(.*\)", "", want).strip()
+    return want == have or (want_base == "numeric" and base == "numeric") or base in _ALSO.get(want_base, set()) or base == want_base
+
+
+def _csv_ready(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Binary columns as PostgreSQL hex bytea text; everything else pyarrow's CSV writes as is."""
+    cols = batch.columns
+    if not any(pa.types.is_binary(c.type) or pa.types.is_large_binary(c.type) for c in cols):
+        return batch
+    out = [
+        pa.array([None if v is None else "\\x" + v.hex() for v in c.to_pylist()], pa.string())
+        if pa.types.is_binary(c.type) or pa.types.is_large_binary(c.type) else c
+        for c in cols
+    ]
+    return pa.RecordBatch.from_arrays(out, names=batch.schema.names)
+
+
+def _copy(cur: psycopg.Cursor, target: sql.Composable, columns: list[str], batches: Iterator, ordinal: bool = False) -> int:
+    """COPY Arrow record batches into ``target`` as CSV (pyarrow's C++ writer); returns rows."""
+    names = [sql.Identifier(c) for c in columns] + ([sql.Identifier("_onceflow_ord")] if ordinal else [])
+    stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(target, sql.SQL(", ").join(names))
+    rows = 0
+    with cur.copy(stmt) as cp:
+        for batch in batches:
+            if not batch.num_rows:
+                continue
+            batch = _csv_ready(batch)
+            if ordinal:
+                batch = batch.append_column("_onceflow_ord", pa.array(range(rows, rows + batch.num_rows), pa.int64()))
+            buf = pa.BufferOutputStream()
+            pacsv.write_csv(batch, buf, _CSV)
+            cp.write(memoryview(buf.getvalue()))
+            rows += batch.num_rows
+    return rows
+
+
+# ---- the fence -----------------------------------------------------------------------------
+
+
+class Fence:
+    """A held session advisory lock for (sink, lineage); released by :meth:`close`.
+
+    The lock lives as long as its connection: a crashed driver's fence disappears when
+    PostgreSQL notices the connection is gone (TCP keepalives bound that time).
+    """
+
+    def __init__(self, conn: psycopg.Connection, description: str):
+        self.conn, self.description = conn, description
+        #: what recovery did when the fence was taken: {"committed": n, "rolled_back": m}
+        self.recovered: dict[str, int] = {}
+
+    def close(self) -> None:
+        with suppress(psycopg.Error):
+            self.conn.close()
+
+    def __enter__(self) -> Fence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Fence({self.description}, open={not self.conn.closed})"
+
+
+# ---- the data source -----------------------------------------------------------------------
+
+
+@dataclass
+class _Prepared:
+    gid: str
+    batch: int
+    partition: int
+    attempt: int
+    run: str
+
+
+class PostgresDataSource(TwoPhaseCommitSink):
+    """``df.writeStream.format("onceflow-postgres").option("dsn", ...).option("table", ...)``."""
+
+    format_name = FORMAT
+    required_options = ("dsn", "table")
+    options_doc = {
+        "dsn": "libpq DSN or URL; a password in it is moved to the 'password' option",
+        "password": "password (Spark redacts options named like this in plans and logs)",
+        "table": "target table, optionally schema-qualified (schema.table)",
+        "mode": "two_phase (default; PREPARE TRANSACTION) or idempotent (rows + marker per task)",
+        "write": "append (default) or upsert (INSERT ... ON CONFLICT (keys) DO UPDATE)",
+        "keys": "comma-separated key columns (required for upsert)",
+        "create_table": "true: create the table from the stream's schema if it is missing",
+        "commit_deadline": "seconds to keep retrying while PostgreSQL is unreachable (default 60)",
+        "connect_timeout": "seconds for one connection attempt (default 5)",
+        "sink_id": "name of this sink, part of transaction ids and the commit log (default postgres)",
+        "log_schema": "schema of onceflow's tables onceflow_commit_log / onceflow_markers (default public)",
+    }
+
+    def __init__(self, options):
+        super().__init__(options)
+        o = self.opts
+        self.conninfo, inline_password = split_dsn(o["dsn"])
+        self.password = o.get("password") or inline_password
+        self.where = where(self.conninfo)
+        self.mode = o.get("mode", "two_phase").lower()
+        self.write_kind = o.get("write", "append").lower()
+        self.keys = [k.strip() for k in o.get("keys", "").split(",") if k.strip()]
+        self.create_table = o.get("create_table", "false").lower() in ("true", "1", "yes")
+        self.sink_id = o.get("sink_id", "postgres")
+        self.log_schema = o.get("log_schema", "public")
+        try:
+            self.commit_deadline = float(o.get("commit_deadline", 60))
+            self.connect_timeout = max(2, int(float(o.get("connect_timeout", 5))))
+        except ValueError:
+            raise ConfigError(f"{FORMAT}: commit_deadline and connect_timeout must be numbers of seconds") from None
+        if self.mode not in ("two_phase", "idempotent"):
+            raise ConfigError(f"{FORMAT}: mode={self.mode!r}; use 'two_phase' or 'idempotent'")
+        if self.write_kind not in ("append", "upsert"):
+            raise ConfigError(f"{FORMAT}: write={self.write_kind!r}; use 'append' or 'upsert'")
+        if self.write_kind == "upsert" and not self.keys:
+            raise ConfigError(f"{FORMAT}: write=upsert needs keys, e.g. .option('keys', 'id')")
+        if not _SINK_ID.match(self.sink_id):
+            raise ConfigError(f"{FORMAT}: sink_id {self.sink_id!r}: use 1-64 letters, digits, '_', '-', '.'")
+        schema, _, name = o["table"].rpartition(".")
+        self.table_schema, self.table_name = schema or None, name
+        self.table = sql.Identifier(*filter(None, (schema, name)))
+        self.log_table = sql.Identifier(self.log_schema, "onceflow_commit_log")
+        self.marker_table = sql.Identifier(self.log_schema, "onceflow_markers")
+
+    def __repr__(self) -> str:
+        return f"PostgresDataSource({self.where}, table={self.opts['table']}, mode={self.mode}, sink_id={self.sink_id})"
+
+    def describe_guarantee(self) -> str:
+        if self.mode == "two_phase":
+            return ("exactly-once (two_phase): each batch is prepared per task and committed after a "
+                    "durable decision in onceflow_commit_log; a decided batch is never dropped")
+        return ("exactly-once effect, weaker visibility (idempotent): tasks commit rows with a "
+                "marker; a batch can be partly visible until it completes or is replayed")
+
+    # ---- connections -------------------------------------------------------------------
+
+    def _connect(self, purpose: str) -> psycopg.Connection:
+        return psycopg.connect(
+            self.conninfo, password=self.password, autocommit=True,
+            connect_timeout=self.connect_timeout, application_name=f"onceflow-{purpose}",
+        )
+
+    def _connect_error(self, e: psycopg.OperationalError) -> ConfigError | SinkError:
+        """The server refused us (ConfigError: fix the DSN) or is not reachable (SinkError: retry)."""
+        text = self._safe(e)
+        if re.search(r"authentication|does not exist|no pg_hba|permission denied|role ", text):
+            return ConfigError(f"{FORMAT}: PostgreSQL at {self.where} refused the connection ({text}); check database, user and password")
+        return SinkError(f"{FORMAT}: cannot reach PostgreSQL at {self.where} ({text}); check host and port, or wait until the server is up")
+
+    def _safe(self, e: BaseException) -> str:
+        return _scrub(str(e).strip(), self.password)
+
+    def _retry(self) -> Retrying:
+        return Retrying(
+            retry=retry_if_exception_type(psycopg.OperationalError),
+            stop=stop_after_delay(self.commit_deadline),
+            wait=wait_exponential(multiplier=0.2, max=3),
+            reraise=True,
+        )
+
+    def _unreachable(self, purpose: str, e: psycopg.OperationalError) -> SinkError:
+        return SinkError(
+            f"{FORMAT}: {purpose} failed, PostgreSQL at {self.where} unreachable for "
+            f"{self.commit_deadline:g}s ({self._safe(e)}); restart the query when it is back: "
+            "a decided batch is committed by recovery, an undecided one is replayed"
+        )
+
+    def _retrying(self, purpose: str, fn: Callable[[psycopg.Connection], _R]) -> _R:
+        """Run ``fn`` on a fresh connection; retry connection failures until commit_deadline."""
+        try:
+            for attempt in self._retry():
+                with attempt, self._connect(purpose) as conn:
+                    return fn(conn)
+        except psycopg.OperationalError as e:
+            raise self._unreachable(purpose, e) from None
+        raise AssertionError("unreachable")
+
+    def _connect_retrying(self, purpose: str) -> psycopg.Connection:
+        try:
+            for attempt in self._retry():
+                with attempt:
+                    return self._connect(purpose)
+        except psycopg.OperationalError as e:
+            raise self._unreachable(purpose, e) from None
+        raise AssertionError("unreachable")
+
+    # ---- validation --------------------------------------------------------------------
+
+    def validate(self, schema: T.StructType, overwrite: bool) -> None:
+        """Reachability, prepared-transaction support, onceflow tables, target table and columns."""
+        if overwrite:
+            raise ConfigError(f"{FORMAT}: output mode 'complete' is not supported; use write=upsert with keys")
+        try:
+            conn = self._connect("validate")
+        except psycopg.OperationalError as e:
+            raise self._connect_error(e) from None
+        with conn:
+            if self.mode == "two_phase":
+                mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+                if mpt <= 0:
+                    raise ConfigError(
+                        f"{FORMAT}: mode two_phase needs max_prepared_transactions > 0 but PostgreSQL at "
+                        f"{self.where} has max_prepared_transactions = {mpt}; set it (e.g. 64, needs a "
+                        "server restart) or use mode='idempotent' (exactly-once effect, weaker visibility)"
+                    )
+            self._ensure_log_tables(conn)
+            self._check_table(conn, schema)
+
+    def _ensure_log_tables(self, conn: psycopg.Connection) -> None:
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [_key("onceflow-ddl")])
+            conn.execute(sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, lineage text NOT NULL, "
+                "batch_id bigint NOT NULL, fingerprint text NOT NULL, handles jsonb NOT NULL, "
+                "committed_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, lineage, batch_id))"
+            ).format(self.log_table))
+            conn.execute(sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, lineage text NOT NULL, "
+                "batch_id bigint NOT NULL, partition integer NOT NULL, rows bigint NOT NULL DEFAULT 0, "
+                "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, lineage, batch_id, partition))"
+            ).format(self.marker_table))
+
+    def _table_columns(self, conn: psycopg.Connection) -> dict[str, tuple[str, bool, bool]] | None:
+        """column -> (formatted type, not null, has default); None when the table is missing."""
+        name = self.opts["table"]
+        oid = conn.execute("SELECT to_regclass(%s)::oid", [sql.Identifier(*name.split(".")).as_string(conn)]).fetchone()[0]
+        if oid is None:
+            return None
+        rows = conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod), attnotnull, atthasdef OR attidentity <> '' "
+            "FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped", [oid],
+        ).fetchall()
+        self._oid = oid
+        return {r[0]: (r[1], r[2], r[3]) for r in rows}
+
+    def _check_table(self, conn: psycopg.Connection, schema: T.StructType) -> None:
+        want = {f.name: pg_type(f.dataType) for f in schema.fields}
+        missing_keys = [k for k in self.keys if k not in want]
+        if missing_keys:
+            raise ConfigError(f"{FORMAT}: key column(s) {', '.join(missing_keys)} are not in the stream's columns {sorted(want)}")
+        have = self._table_columns(conn)
+        if have is None:
+            if not self.create_table:
+                raise ConfigError(
+                    f"{FORMAT}: table {self.opts['table']} does not exist in {self.where}; create it, "
+                    "or set create_table=True to create it from the stream's schema"
+                )
+            cols = [sql.SQL("{} {}").format(sql.Identifier(n), sql.SQL(t)) for n, t in want.items()]
+            if self.keys:
+                cols.append(sql.SQL("PRIMARY KEY ({})").format(sql.SQL(", ").join(map(sql.Identifier, self.keys))))
+            conn.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({})").format(self.table, sql.SQL(", ").join(cols)))
+            log.info("%s: created table %s in %s", FORMAT, self.opts["table"], self.where)
+            return
+        problems = [f"{n} (not in the table)" for n in want if n not in have]
+        problems += [
+            f"{n} (stream {want[n]}, table {have[n][0]})"
+            for n in want if n in have and not _type_ok(want[n], have[n][0])
+        ]
+        problems += [
+            f"{n} (table column NOT NULL without default, not in the stream)"
+            for n, (_, notnull, has_default) in have.items() if n not in want and notnull and not has_default
+        ]
+        if problems:
+            raise ConfigError(
+                f"{FORMAT}: the stream's columns do not match table {self.opts['table']}: "
+                f"{'; '.join(problems)}. Select/cast columns in the transform or alter the table"
+            )
+        if self.write_kind == "upsert":
+            unique_sets = conn.execute(
+                "SELECT array_agg(a.attname ORDER BY a.attname) FROM pg_index i "
+                "JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) "
+                "WHERE i.indrelid = %s AND i.indisunique AND i.indpred IS NULL GROUP BY i.indexrelid",
+                [self._oid],
+            ).fetchall()
+            if sorted(self.keys) not in [r[0] for r in unique_sets]:
+                raise ConfigError(
+                    f"{FORMAT}: upsert on keys ({', '.join(self.keys)}) needs a primary key or unique "
+                    f"index on exactly those columns of {self.opts['table']}"
+                )
+
+    # ---- the fence and recovery --------------------------------------------------------
+
+    def open(self, lineage: str) -> Fence:
+        """Acquire the fence for this lineage and recover; keep the returned Fence open for the run.
+
+        Raises FencedError when another driver holds it.
+        """
+        description = f"sink {self.sink_id!r} lineage {lineage} at {self.where}"
+        try:
+            conn = psycopg.connect(
+                self.conninfo, password=self.password, autocommit=True, connect_timeout=self.connect_timeout,
+                application_name=f"onceflow-fence:{self.sink_id}:{lineage}"[:63],
+                keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3,
+            )
+        except psycopg.OperationalError as e:
+            raise self._connect_error(e) from None
+        key = _key("onceflow-fence", self.sink_id, lineage)
+        if not conn.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone()[0]:
+            holder = conn.execute(
+                "SELECT a.pid, a.client_addr, a.backend_start FROM pg_locks l JOIN pg_stat_activity a "
+                "USING (pid) WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 "
+                "AND l.classid = %s::oid AND l.objid = %s::oid",
+                [(key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF],
+            ).fetchone()
+            conn.close()
+            who = f" (backend pid {holder[0]}, client {holder[1]}, since {holder[2]:%Y-%m-%d %H:%M:%S})" if holder else ""
+            raise FencedError(
+                f"{FORMAT}: another driver is running {description}{who}; stop it first. "
+                "If it died, its fence is released as soon as PostgreSQL drops its connection"
+            )
+        fence = Fence(conn, description)
+        try:
+            counts = self.recover(lineage)
+        except BaseException:
+            fence.close()
+            raise
+        if any(counts.values()):
+            log.warning("%s recovery for %s: %s", FORMAT, description, counts)
+        fence.recovered = counts
+        return fence
+
+    def _prefix(self, lineage: str) -> str:
+        return f"onceflow:{self.sink_id}:{lineage}:"
+
+    @staticmethod
+    def _prepared(conn: psycopg.Connection, prefix: str) -> list[_Prepared]:
+        rows = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND starts_with(gid, %s)",
+            [prefix],
+        ).fetchall()
+        out = []
+        for (gid,) in rows:
+            m = GID.match(gid)
+            if m:
+                out.append(_Prepared(gid, int(m["batch"]), int(m["partition"]), int(m["attempt"]), m["run"]))
+        return out
+
+    def _decided_gids(self, conn: psycopg.Connection, lineage: str, batches: set[int]) -> dict[int, set[str]]:
+        rows = conn.execute(
+            sql.SQL("SELECT batch_id, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = ANY(%s)").format(self.log_table),
+            [self.sink_id, lineage, sorted(batches)],
+        ).fetchall()
+        return {b: {h["gid"] for h in handles if isinstance(h, dict) and "gid" in h} for b, handles in rows}
+
+    def _finish(self, conn: psycopg.Connection, verb: str, gid: str) -> bool:
+        """COMMIT/ROLLBACK PREPARED; False when the gid is no longer prepared."""
+        try:
+            conn.execute(sql.SQL(verb + " PREPARED {}").format(sql.Literal(gid)))
+            return True
+        except psycopg.errors.UndefinedObject:
+            return False
+
+    def _rollback_undecided(self, conn: psycopg.Connection, lineage: str, candidates: list[_Prepared]) -> int:
+        """Roll back candidates that no decision lists, holding the lineage's decision lock."""
+        if not candidates:
+            return 0
+        lock = _key("onceflow-decide", self.sink_id, lineage)
+        conn.execute("SELECT pg_advisory_lock(%s)", [lock])
+        try:
+            decided = self._decided_gids(conn, lineage, {c.batch for c in candidates})
+            return sum(
+                self._finish(conn, "ROLLBACK", c.gid)
+                for c in candidates if c.gid not in decided.get(c.batch, set())
+            )
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", [lock])
+
+    def _latest_planned_batch(self) -> int | None:
+        loc = self.opts.get("checkpointlocation")
+        if not loc:
+            return None
+        from onceflow.checkpoint.layout import CheckpointDir
+
+        batches = CheckpointDir(loc).offset_batches()
+        return batches[-1] if batches else None
+
+    def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
+        """Commit prepared gids listed in a decision; roll back the others, except ``in_flight``.
+
+        Without ``in_flight`` (called from :meth:`open`, maybe while the query already runs), the
+        undecided gids of the checkpoint's latest planned batch are left alone: that batch may be
+        running; its tasks and its commit clean up its stale attempts.
+        """
+        if self.mode == "idempotent":
+            return {"committed": 0, "rolled_back": 0}
+        keep = {h["gid"] for h in in_flight if isinstance(h, dict) and "gid" in h}
+        latest = None if keep else self._latest_planned_batch()
+
+        def run(conn: psycopg.Connection) -> dict[str, int]:
+            prepared = [p for p in self._prepared(conn, self._prefix(lineage)) if p.gid not in keep]
+            if not prepared:
+                return {"committed": 0, "rolled_back": 0}
+            decided = self._decided_gids(conn, lineage, {p.batch for p in prepared})
+            committed = sum(
+                self._finish(conn, "COMMIT", p.gid) for p in prepared if p.gid in decided.get(p.batch, set())
+            )
+            stale = [
+                p for p in prepared
+                if p.gid not in decided.get(p.batch, set())
+                and (latest is None or p.batch < latest or p.batch in decided)
+            ]
+            return {"committed": committed, "rolled_back": self._rollback_undecided(conn, lineage, stale)}
+
+        return self._retrying("recovery", run)
+
+    # ---- tasks -------------------------------------------------------------------------
+
+    def is_decided(self, lineage: str, batch_id: int) -> bool:
+        return self._retrying("decision lookup", lambda conn: self._is_decided(conn, lineage, batch_id))
+
+    def _is_decided(self, conn: psycopg.Connection, lineage: str, batch_id: int) -> bool:
+        q = sql.SQL("SELECT 1 FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table)
+        return conn.execute(q, [self.sink_id, lineage, batch_id]).fetchone() is not None
+
+    def _write_rows(self, cur: psycopg.Cursor, schema: T.StructType, batches: Iterator, stage: str) -> int:
+        columns = schema.names
+        if self.write_kind == "append":
+            return _copy(cur, self.table, columns, batches)
+        st = sql.Identifier(*filter(None, (self.table_schema, stage)))
+        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
+        keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
+        cur.execute(sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {}, NULL::bigint AS _onceflow_ord FROM {} WITH NO DATA").format(st, cols, self.table))
+        rows = _copy(cur, st, columns, batches, ordinal=True)
+        others = [c for c in columns if c not in self.keys]
+        action = (
+            sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
+                sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others))
+            if others else sql.SQL("DO NOTHING")
+        )
+        cur.execute(sql.SQL(
+            "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM {st} "
+            "ORDER BY {keys}, _onceflow_ord DESC ON CONFLICT ({keys}) {action}"
+        ).format(t=self.table, cols=cols, keys=keys, st=st, action=action))
+        cur.execute(sql.SQL("DROP TABLE {}").format(st))
+        return rows
+
+    def pre_commit(self, task: TaskInfo, schema: T.StructType, overwrite: bool, batches: Iterator) -> tuple[Any, int]:
+        run = _run_id()
+        gid = f"onceflow:{self.sink_id}:{task.lineage}:{task.batch_id}:{task.partition}:{task.attempt}:{run}"
+        stage = "onceflow_stage_" + hashlib.sha1(gid.encode()).hexdigest()[:24]
+        conn = self._connect_retrying("task")
+        with conn:
+            if self.mode == "idempotent":
+                return self._pre_commit_idempotent(conn, task, schema, batches, stage)
+            self._clean_stale(conn, task, run)
+            with conn.cursor() as cur:
+                cur.execute("BEGIN")
+                rows = self._write_rows(cur, schema, batches, stage)
+                if rows == 0:
+                    cur.execute("ROLLBACK")
+                    return None, 0
+                xid = cur.execute("SELECT txid_current()").fetchone()[0]
+                cur.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+            # A decision recorded meanwhile cannot list this gid: do not leave it dangling.
+            if self._is_decided(conn, task.lineage, task.batch_id):
+                self._finish(conn, "ROLLBACK", gid)
+                return None, 0
+            return {"gid": gid, "xid": xid}, rows
+
+    def _clean_stale(self, conn: psycopg.Connection, task: TaskInfo, run: str) -> None:
+        """Roll back undecided gids of this lineage left by other runs or earlier attempts of
+        this partition: they are dead, and their row locks would block an upsert."""
+        prepared = self._prepared(conn, self._prefix(task.lineage))
+        stale = [
+            p for p in prepared
+            if (p.run != run and run != "unknown")
+            or (p.batch == task.batch_id and p.partition == task.partition and p.attempt != task.attempt)
+        ]
+        if stale:
+            n = self._rollback_undecided(conn, task.lineage, stale)
+            log.info("%s: rolled back %d stale prepared transaction(s) of %s", FORMAT, n, task.lineage)
+
+    def _pre_commit_idempotent(self, conn, task: TaskInfo, schema, batches, stage: str) -> tuple[Any, int]:
+        with conn.transaction(), conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", [_key("onceflow-decide", self.sink_id, task.lineage)])
+            if self._is_decided(conn, task.lineage, task.batch_id):
+                return None, 0
+            ident = [self.sink_id, task.lineage, task.batch_id, task.partition]
+            fresh = cur.execute(sql.SQL(
+                "INSERT INTO {} (sink, lineage, batch_id, partition) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING RETURNING 1").format(self.marker_table), ident).fetchone()
+            if fresh is None:  # an earlier attempt committed this partition
+                done = cur.execute(sql.SQL(
+                    "SELECT rows FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
+                ).format(self.marker_table), ident).fetchone()[0]
+                return {"partition": task.partition, "rows": done}, done
+            rows = self._write_rows(cur, schema, batches, stage)
+            cur.execute(sql.SQL(
+                "UPDATE {} SET rows = %s WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
+            ).format(self.marker_table), [rows, *ident])
+        return {"partition": task.partition, "rows": rows}, rows
+
+    # ---- driver ------------------------------------------------------------------------
+
+    def decision(self, lineage: str, batch_id: int) -> Decision | None:
+        def run(conn: psycopg.Connection) -> Decision | None:
+            row = conn.execute(
+                sql.SQL("SELECT fingerprint, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table),
+                [self.sink_id, lineage, batch_id],
+            ).fetchone()
+            return None if row is None else Decision(lineage, batch_id, row[0], list(row[1]))
+
+        return self._retrying("decision lookup", run)
+
+    def decide(self, decision: Decision, schema: T.StructType, overwrite: bool) -> None:
+        """Record the decision, atomically checking (two_phase) that every gid is still prepared."""
+        lineage, batch = decision.lineage, decision.batch_id
+        handles = [h for h in decision.handles if h]
+
+        def run(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [_key("onceflow-decide", self.sink_id, lineage)])
+                if self.mode == "two_phase" and handles:
+                    gids = [h["gid"] for h in handles]
+                    present = {r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE gid = ANY(%s)", [gids])}
+                    gone = [g for g in gids if g not in present]
+                    if gone and self._is_decided(conn, lineage, batch):
+                        return  # our own earlier attempt (connection lost after COMMIT) decided it
+                    if gone:
+                        raise SinkError(
+                            f"{FORMAT}: batch {batch} of {lineage} not decided: prepared transaction(s) "
+                            f"{', '.join(gone)} vanished (rolled back by an operator or another driver); "
+                            "the query fails and the batch is replayed"
+                        )
+                conn.execute(sql.SQL(
+                    "INSERT INTO {} (sink, lineage, batch_id, fingerprint, handles) VALUES (%s, %s, %s, %s, %s) "
+                    "ON CONFLICT DO NOTHING").format(self.log_table),
+                    [self.sink_id, lineage, batch, decision.fingerprint, json.dumps(handles)],
+                )
+                if self.mode == "idempotent":
+                    conn.execute(sql.SQL("DELETE FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.marker_table),
+                                 [self.sink_id, lineage, batch])
+
+        self._retrying("decide", run)
+
+    def commit(self, decision: Decision) -> None:
+        """COMMIT PREPARED every decided gid still prepared; roll back the batch's other gids.
+
+        Retries while PostgreSQL is unreachable until commit_deadline, then raises SinkError.
+        """
+        if self.mode == "idempotent":
+            return  # rows were committed by the tasks; the decision closes the batch
+        handles = [h for h in decision.handles if h]
+        lineage, batch = decision.lineage, decision.batch_id
+
+        def run(conn: psycopg.Connection) -> None:
+            done = 0
+            for h in handles:
+                if self._finish(conn, "COMMIT", h["gid"]):
+                    done += 1
+                else:
+                    status = conn.execute("SELECT txid_status(%s)", [h["xid"]]).fetchone()[0]
+                    if status == "aborted":
+                        raise SinkError(
+                            f"{FORMAT}: decided transaction {h['gid']} of batch {batch} was rolled back "
+                            "outside onceflow; its rows are lost, restore from a savepoint"
+                        )
+                if done == 1 and len(handles) >= 2:
+                    maybe_crash("mid_commit", batch, None, self.opts)
+            keep = {h["gid"] for h in handles}
+            for p in self._prepared(conn, f"{self._prefix(lineage)}{batch}:"):
+                if p.gid not in keep:
+                    self._finish(conn, "ROLLBACK", p.gid)
+
+        self._retrying("commit", run)
+
+    def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
+        if self.mode == "idempotent":
+            return  # committed partitions stay; the replay skips them through their markers
+        gids = {h["gid"] for h in handles if h}
+        if not gids:
+            return
+
+        def run(conn: psycopg.Connection) -> int:
+            prepared = [p for p in self._prepared(conn, f"{self._prefix(lineage)}{batch_id}:") if p.gid in gids]
+            return self._rollback_undecided(conn, lineage, prepared)
+
+        self._retrying("abort", run)
+
+
+def _run_id() -> str:
+    """Spark's run id of the streaming query (its job group), or 'unknown'."""
+    from pyspark import TaskContext
+
+    tc = TaskContext.get()
+    value = tc.getLocalProperty("spark.jobGroup.id") if tc else None
+    return (value or "unknown").lower()
+
+
+# ---- user-facing configuration -------------------------------------------------------------
+
+
+@dataclass(repr=False)
+class PostgresSink(Sink):
+    """Exactly-once PostgreSQL sink for a :class:`~onceflow.Job` (or ``writeStream``).
+
+    ``mode``: ``two_phase`` (atomic batches, needs max_prepared_transactions > 0) or
+    ``idempotent`` (rows + marker per task; a batch can be partly visible for a moment).
+    ``write``: ``append`` or ``upsert`` on ``keys``. ``commit_deadline``: seconds a commit keeps
+    retrying an unreachable server before the query fails (recovery finishes it later).
+    """
+
+    dsn: str
+    table: str
+    mode: Literal["two_phase", "idempotent"] = "two_phase"
+    write: Literal["append", "upsert"] = "append"
+    keys: tuple[str, ...] | list[str] = field(default_factory=tuple)
+    create_table: bool = False
+    commit_deadline: float = 60.0
+    sink_id: str = "postgres"
+
+    format_name = FORMAT
+
+    def options(self) -> dict[str, str]:
+        conninfo, password = split_dsn(self.dsn)
+        opts = {
+            "dsn": conninfo, "table": self.table, "mode": self.mode, "write": self.write,
+            "create_table": str(bool(self.create_table)).lower(),
+            "commit_deadline": str(self.commit_deadline), "sink_id": self.sink_id,
+        }
+        if self.keys:
+            opts["keys"] = ",".join([self.keys] if isinstance(self.keys, str) else self.keys)
+        if password:
+            opts["password"] = password
+        return opts
+
+    def __repr__(self) -> str:
+        return (
+            f"PostgresSink(dsn={mask_dsn(self.dsn)!r}, table={self.table!r}, mode={self.mode!r}, "
+            f"write={self.write!r}, keys={tuple(self.keys)!r}, sink_id={self.sink_id!r})"
+        )
+
+    __str__ = __repr__

@@ -1,0 +1,153 @@
+"""``onceflow doctor --postgres DSN [--resolve]``: checks and recovery for the PostgreSQL sink.
+
+:func:`doctor` inspects a server (read-only); :func:`resolve` applies the recovery rules of
+DESIGN.md section 3 to every dangling onceflow prepared transaction: commit it when a decision
+in ``onceflow_commit_log`` lists it, roll it back otherwise. Lineages whose fence is held by a
+running driver are skipped (that driver recovers them itself).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import psycopg
+from psycopg import sql
+
+from onceflow.errors import FencedError, OnceflowError
+from onceflow.sinks.postgres import GID, PostgresDataSource, split_dsn, where
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One doctor check: ``ok`` False means the user has something to do (``detail`` says what)."""
+
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class ResolveReport:
+    """What :func:`resolve` did."""
+
+    committed: int = 0
+    rolled_back: int = 0
+    skipped: list[str] = field(default_factory=list)  # "sink/lineage: reason"
+
+    @property
+    def ok(self) -> bool:
+        return not self.skipped
+
+
+def _source(dsn: str, sink_id: str = "postgres", log_schema: str = "public") -> PostgresDataSource:
+    return PostgresDataSource({"dsn": dsn, "table": "unused", "sink_id": sink_id, "log_schema": log_schema})
+
+
+def _dangling(conn: psycopg.Connection, log_schema: str) -> dict[tuple[str, str], list[tuple[str, int, bool, float]]]:
+    """(sink, lineage) -> [(gid, batch, decided, age seconds)] of onceflow prepared transactions."""
+    rows = conn.execute(
+        "SELECT gid, extract(epoch FROM now() - prepared) FROM pg_prepared_xacts "
+        "WHERE database = current_database() AND starts_with(gid, 'onceflow:') ORDER BY prepared"
+    ).fetchall()
+    has_log = conn.execute(
+        "SELECT to_regclass(%s) IS NOT NULL",
+        [sql.Identifier(log_schema, "onceflow_commit_log").as_string(conn)],
+    ).fetchone()[0]
+    out: dict[tuple[str, str], list[tuple[str, int, bool, float]]] = defaultdict(list)
+    for gid, age in rows:
+        m = GID.match(gid)
+        if not m:
+            continue
+        decided = False
+        if has_log:
+            decided = conn.execute(
+                sql.SQL("SELECT handles @> %s::jsonb FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s")
+                .format(sql.Identifier(log_schema, "onceflow_commit_log")),
+                [json.dumps([{"gid": gid}]), m["sink"], m["lineage"], int(m["batch"])],
+            ).fetchone() or (False,)
+            decided = bool(decided[0])
+        out[(m["sink"], m["lineage"])].append((gid, int(m["batch"]), decided, float(age)))
+    return out
+
+
+def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
+    """Reachability, server version, max_prepared_transactions, CREATE privilege, dangling transactions."""
+    source = _source(dsn, log_schema=log_schema)
+    try:
+        conn = source._connect("doctor")
+    except psycopg.OperationalError as e:
+        return [CheckResult("reachable", False, str(source._connect_error(e)))]
+    results = []
+    with conn:
+        user = conn.execute("SELECT current_user").fetchone()[0]
+        results.append(CheckResult("reachable", True, f"{where(dsn)} as {user}"))
+        version, num = conn.execute("SELECT current_setting('server_version'), current_setting('server_version_num')::int").fetchone()
+        results.append(CheckResult(
+            "server_version", num >= 100000,
+            f"PostgreSQL {version}" + ("" if num >= 100000 else " (onceflow needs 10 or newer)"),
+        ))
+        mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+        results.append(CheckResult(
+            "max_prepared_transactions", mpt > 0,
+            f"{mpt}: mode two_phase available" if mpt > 0 else
+            "0: mode two_phase unavailable; set max_prepared_transactions (e.g. 64, restart needed) "
+            "or use mode='idempotent'",
+        ))
+        can_create = conn.execute(
+            "SELECT rolsuper OR has_schema_privilege(current_user, %s, 'CREATE') FROM pg_roles WHERE rolname = current_user",
+            [log_schema],
+        ).fetchone()[0]
+        results.append(CheckResult(
+            "create_privilege", bool(can_create),
+            f"{user} can create tables in schema {log_schema}" if can_create else
+            f"{user} cannot create tables in schema {log_schema}: grant CREATE, or create "
+            "onceflow_commit_log / onceflow_markers and the target table beforehand",
+        ))
+        dangling = _dangling(conn, log_schema)
+        n = sum(len(v) for v in dangling.values())
+        if not n:
+            results.append(CheckResult("dangling_prepared_transactions", True, "none"))
+        else:
+            parts = []
+            for (sink, lineage), items in dangling.items():
+                decided = sum(1 for i in items if i[2])
+                parts.append(
+                    f"sink {sink} lineage {lineage}: {decided} decided (to commit), "
+                    f"{len(items) - decided} undecided (to roll back), oldest {max(i[3] for i in items):.0f}s"
+                )
+            results.append(CheckResult(
+                "dangling_prepared_transactions", False,
+                f"{n} onceflow prepared transaction(s): {'; '.join(parts)}. They hold locks until resolved; "
+                "restart the job (it recovers them) or run 'onceflow doctor --postgres DSN --resolve'",
+            ))
+    two_phase = PostgresDataSource({"dsn": dsn, "table": "unused"}).describe_guarantee()
+    idempotent = PostgresDataSource({"dsn": dsn, "table": "unused", "mode": "idempotent"}).describe_guarantee()
+    results.append(CheckResult("guarantees", True, f"{two_phase}. {idempotent}"))
+    return results
+
+
+def resolve(dsn: str, log_schema: str = "public") -> ResolveReport:
+    """Commit decided and roll back undecided onceflow prepared transactions (stopped jobs only)."""
+    report = ResolveReport()
+    source = _source(dsn, log_schema=log_schema)
+    try:
+        conn = source._connect("doctor")
+    except psycopg.OperationalError as e:
+        raise source._connect_error(e) from None
+    with conn:
+        groups = list(_dangling(conn, log_schema))
+    for sink, lineage in groups:
+        try:
+            with _source(dsn, sink, log_schema).open(lineage) as fence:
+                report.committed += fence.recovered.get("committed", 0)
+                report.rolled_back += fence.recovered.get("rolled_back", 0)
+        except FencedError:
+            report.skipped.append(f"{sink}/{lineage}: a running driver holds its fence")
+        except OnceflowError as e:
+            report.skipped.append(f"{sink}/{lineage}: {e}")
+    return report
+
+
+__all__ = ["CheckResult", "ResolveReport", "doctor", "resolve", "split_dsn"]
