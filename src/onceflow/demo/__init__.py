@@ -65,7 +65,7 @@ class DemoRunner:
         os.makedirs(self.workdir)
         from onceflow.demo import job as job_module
 
-        env = {**os.environ, "ONCEFLOW_DEMO_DIR": self.workdir,
+        env = {**os.environ, "ONCEFLOW_DEMO_DIR": self.workdir, "ONCEFLOW_TASK_EVENTS": "1",
                "ONCEFLOW_DEMO_EVENTS": str(self.events), "ONCEFLOW_DEMO_RATE": str(self.rate)}
         log_path = os.path.join(self.workdir, "supervisor.log")
         started = time.time()
@@ -79,7 +79,7 @@ class DemoRunner:
         if rc != 0:
             self.console.print(f"[red]supervisor exited with {rc}; see {log_path}[/red]")
         report = check_delta_table(self.table, self.events)
-        processed = sum(e.get("input_rows", 0) for e in self._events("batch"))
+        processed = sum(e["rows"] for e in self._events("task"))
         recovered = sorted(e["ts"] for e in self._events("recovered"))
         recovery = []
         for k in kill_times:
@@ -102,8 +102,11 @@ class DemoRunner:
                 time.sleep(0.5)
                 committed = self._committed()
                 starts = self._events("process_start")
-                recovered = self._events("recovered")
-                up = bool(starts) and any(r["ts"] > starts[-1]["ts"] for r in recovered)
+                # "up": this driver incarnation has committed real data since it started.
+                up = bool(starts) and any(
+                    c["ts"] > starts[-1]["ts"] and (c["rows"] or c.get("replay"))
+                    for c in self._events("sink_commit")
+                )
                 info = f"restarts {len(kill_times)}/{self.kills}" + ("" if up else " · (re)starting driver")
                 progress.update(task, completed=committed, info=info)
                 if len(kill_times) >= self.kills or not up or committed >= self.events * 0.95:

@@ -22,6 +22,10 @@ def load_job(target: str):
         raise ConfigError(f"{path!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
+    # Spark's workers cannot import a file loaded by path: ship its functions by value.
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
         spec.loader.exec_module(module)

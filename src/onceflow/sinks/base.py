@@ -194,10 +194,22 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
         task.lineage = lineage
         maybe_crash("before_precommit", task.batch_id, task.partition, self.sink.opts)
         if self.sink.is_decided(lineage, task.batch_id):
+            # Drain anyway: upstream stateful operators commit their state version only when
+            # the partition is fully consumed; the rows are processed but not written again.
+            rows = sum(b.num_rows for b in iterator)
+            self._task_event(task, rows, skipped=True)
             return PreCommitted(lineage, task.batch_id, task.partition, task.attempt, 0, None, True)
         handle, rows = self.sink.pre_commit(task, self.schema, self.overwrite, iterator)
+        self._task_event(task, rows, skipped=False)
         maybe_crash("after_precommit", task.batch_id, task.partition, self.sink.opts)
         return PreCommitted(lineage, task.batch_id, task.partition, task.attempt, rows, handle)
+
+    def _task_event(self, task: TaskInfo, rows: int, skipped: bool) -> None:
+        """With ONCEFLOW_TASK_EVENTS=1, tasks log rows processed (replays included)."""
+        loc = self.sink.opts.get("checkpointlocation")
+        if loc and os.environ.get("ONCEFLOW_TASK_EVENTS") == "1":
+            EventLog(loc).append("task", batch=task.batch_id, partition=task.partition,
+                                 attempt=task.attempt, rows=rows, skipped=skipped)
 
     # ---- driver -----------------------------------------------------------------------
 
