@@ -48,7 +48,7 @@ def main() -> None:
     spark = get_spark("local[2]", "bench-delta")
     tmp = tempfile.mkdtemp(prefix="onceflow-bench-")
     sinks = {"parquet (built-in file sink)": ("parquet", {}), "onceflow-delta": ("onceflow-delta", {})}
-    for name, (fmt, opts) in sinks.items():  # warm-up
+    for fmt, opts in sinks.values():  # warm-up
         run(spark, fmt, args.per_batch, args.per_batch, f"{tmp}/warm-{fmt}", **opts)
     best: dict[str, float] = {}
     for r in range(args.repeat):

@@ -38,6 +38,7 @@ def get_spark(master: str = "local[2]", app_name: str = "onceflow", conf: dict |
         SparkSession.builder.master(master)
         .appName(app_name)
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.streaming.stopTimeout", "120s")

@@ -19,7 +19,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import CheckpointError, ConfigError, OnceflowError
 from onceflow.job import CheckpointConfig, Job
 from onceflow.runtime.restart import fixed_delay
-from onceflow.sinks.delta import _FILE, DeltaSink
+from onceflow.sinks.delta import DeltaSink
 from onceflow.verify.exactly_once import check_delta_table
 
 

@@ -60,7 +60,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         "path": "table URL (created on the first commit if it does not exist)",
         "sink_id": "name of this sink within the job, part of the app id (default 'delta')",
         "mode": "append (default) or complete (replace the table each batch)",
-        "target_rows_per_file": "rows per Parquet row group (default 1000000)",
+        "row_group_rows": "rows per Parquet row group (default 1000000)",
     }
 
     def __init__(self, options):
@@ -71,6 +71,10 @@ class DeltaDataSource(TwoPhaseCommitSink):
         if mode not in ("append", "complete"):
             raise ConfigError(f"onceflow-delta: mode={mode!r}; use 'append' or 'complete'")
         self.mode = mode
+        try:
+            self.row_group_rows = int(self.opts.get("row_group_rows", 1_000_000))
+        except ValueError:
+            raise ConfigError("onceflow-delta: row_group_rows must be a whole number") from None
 
     def app_id(self, lineage: str) -> str:
         return f"onceflow-{self.sink_id}-{lineage}"
@@ -145,7 +149,10 @@ class DeltaDataSource(TwoPhaseCommitSink):
             try:
                 for batch in batches:
                     if batch.num_rows:
-                        writer.write_batch(batch.cast(arrow_schema) if batch.schema != arrow_schema else batch)
+                        writer.write_batch(
+                            batch.cast(arrow_schema) if batch.schema != arrow_schema else batch,
+                            row_group_size=self.row_group_rows,
+                        )
                         rows += batch.num_rows
             finally:
                 writer.close()
