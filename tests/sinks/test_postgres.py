@@ -1,0 +1,392 @@
+"""PostgreSQL sink: exactly-once through the crash windows of DESIGN.md section 3 (real Spark, real PostgreSQL)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import date, timedelta
+from decimal import Decimal
+
+import psycopg
+import pytest
+
+from onceflow.errors import ConfigError, FencedError, SinkError
+from onceflow.sinks.postgres import PostgresSink
+
+TOTAL, PER_BATCH = 2000, 1000
+TASK_POINTS = ("before_precommit", "after_precommit")
+DRIVER_POINTS = ("before_decide", "after_decide", "mid_commit", "after_commit")
+
+
+def uid() -> str:
+    return uuid.uuid4().hex[:8]
+
+
+def seq(spark, total: int, per_batch: int, partitions: int = 2):
+    return (
+        spark.readStream.format("onceflow-sequence")
+        .option("total", total).option("rows_per_second", 10_000_000)
+        .option("max_rows_per_batch", per_batch).option("partitions", partitions)
+        .load()
+    )
+
+
+def end_offset(progress) -> int | None:
+    src = progress["sources"][0] if not hasattr(progress, "sources") else progress.sources[0]
+    raw = src["endOffset"] if isinstance(src, dict) else src.endOffset
+    raw = json.loads(raw) if isinstance(raw, str) else raw
+    return int(raw["next"]) if raw else None
+
+
+def run_stream(spark, tmp_path, sink: PostgresSink, total=TOTAL, per_batch=PER_BATCH, partitions=2,
+               crash: str | None = None, transform=None, timeout: float = 90) -> str | None:
+    """Run until ``total`` ids are committed or the query fails; return the failure text."""
+    opts = sink.options()
+    if crash:
+        (tmp_path / "markers").mkdir(parents=True, exist_ok=True)
+        opts |= {"test_crash_at": crash, "test_crash_markers": str(tmp_path / "markers")}
+    df = seq(spark, total, per_batch, partitions)
+    if transform is not None:
+        df = transform(df)
+    query = (
+        df.writeStream.format("onceflow-postgres").options(**opts)
+        .option("checkpointLocation", str(tmp_path / "ckpt")).start()
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if not query.isActive:
+                break
+            if any(end_offset(p) == total for p in query.recentProgress):
+                return None
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"query did not finish {total} rows in {timeout}s")
+    finally:
+        query.stop()
+    exc = query.exception()
+    return None if exc is None else str(exc)
+
+
+def rows(pg, q: str, *args):
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        return conn.execute(q, args).fetchall()
+
+
+def execute(pg, q: str) -> None:
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        conn.execute(q)
+
+
+def prepared(pg, sink_id: str) -> list[str]:
+    return [r[0] for r in rows(pg, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", f"onceflow:{sink_id}:%")]
+
+
+def assert_exactly_once(pg, table: str, total: int, sink_id: str) -> None:
+    n, distinct, lo, hi = rows(pg, f"SELECT count(*), count(DISTINCT id), min(id), max(id) FROM {table}")[0]
+    assert (n, distinct, lo, hi) == (total, total, 0, total - 1), f"rows={n} distinct={distinct} range={lo}..{hi}"
+    assert prepared(pg, sink_id) == []
+
+
+def make_sink(pg, mode="two_phase", **kw) -> PostgresSink:
+    sid = kw.pop("sink_id", f"s{uid()}")
+    return PostgresSink(pg.dsn, table=kw.pop("table", f"t_{sid}"), mode=mode, create_table=True,
+                        commit_deadline=kw.pop("commit_deadline", 20), sink_id=sid, **kw)
+
+
+# ---- happy paths -----------------------------------------------------------------------------
+
+
+def server_for(mode, pg, pg_noprepared):
+    return pg if mode == "two_phase" else pg_noprepared
+
+
+def decided_batches(server, sink_id: str) -> list[int]:
+    return [b for (b,) in rows(server, "SELECT batch_id FROM onceflow_commit_log WHERE sink = %s ORDER BY 1", sink_id)]
+
+
+@pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
+def test_append_exactly_once_and_restart_continues(spark, pg, pg_noprepared, tmp_path, mode):
+    server = server_for(mode, pg, pg_noprepared)
+    sink = make_sink(server, mode)
+    assert run_stream(spark, tmp_path, sink) is None
+    assert_exactly_once(server, sink.table, TOTAL, sink.sink_id)
+    first = decided_batches(server, sink.sink_id)
+    assert run_stream(spark, tmp_path, sink, total=TOTAL + 1500) is None
+    assert_exactly_once(server, sink.table, TOTAL + 1500, sink.sink_id)
+    batches = decided_batches(server, sink.sink_id)
+    assert batches == list(range(len(batches))) and len(batches) > len(first)
+    assert rows(server, "SELECT count(*) FROM onceflow_markers WHERE sink = %s", sink.sink_id) == [(0,)]
+
+
+def by_key(df):
+    return df.selectExpr("id % 100 AS k", "id AS v", "concat('v', id) AS label")
+
+
+def expected_upsert(total: int) -> list[tuple]:
+    return [(k, total - 100 + k, f"v{total - 100 + k}") for k in range(100)]
+
+
+@pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
+def test_upsert_last_row_per_key_wins_through_a_task_crash(spark, pg, pg_noprepared, tmp_path, mode):
+    """Keys repeat within and across batches. The failed attempt's prepared transaction holds
+    row locks on every key: the retried attempt must roll it back, not wait for it."""
+    server = server_for(mode, pg, pg_noprepared)
+    sink = make_sink(server, mode, write="upsert", keys=["k"])
+    assert run_stream(spark, tmp_path, sink, partitions=1, transform=by_key, crash="after_precommit@2:raise") is None
+    assert list((tmp_path / "markers").iterdir())
+    assert rows(server, f"SELECT k, v, label FROM {sink.table} ORDER BY k") == expected_upsert(TOTAL)
+    assert prepared(server, sink.sink_id) == []
+
+
+def test_prepared_transactions_of_a_dead_driver_are_rolled_back_by_the_next_run(spark, pg, tmp_path):
+    """A driver killed after its tasks pre-committed leaves undecided prepared transactions
+    (here: one holding row locks on every key). The next run must roll them back and finish."""
+    sink = make_sink(pg, write="upsert", keys=["k"])
+    assert run_stream(spark, tmp_path, sink, total=1000, partitions=1, transform=by_key) is None
+    lineage = json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
+    dead = f"onceflow:{sink.sink_id}:{lineage}:2:0:0:dead-run"
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute(f"UPDATE {sink.table} SET v = -1")
+        conn.execute(f"PREPARE TRANSACTION '{dead}'")
+    assert run_stream(spark, tmp_path, sink, partitions=1, transform=by_key, timeout=60) is None
+    assert rows(pg, f"SELECT k, v, label FROM {sink.table} ORDER BY k") == expected_upsert(TOTAL)
+    assert prepared(pg, sink.sink_id) == []
+
+
+def test_type_mapping_and_values_round_trip(spark, pg, tmp_path):
+    sink = make_sink(pg)
+
+    def transform(df):
+        return df.selectExpr(
+            "id", "cast(id AS int) AS i", "id % 2 = 0 AS b", "cast(id AS double) / 4 AS d",
+            "CASE WHEN id % 3 = 0 THEN NULL WHEN id % 3 = 1 THEN '' ELSE concat('a,\"q\"', chr(10), id) END AS s",
+            "cast(id AS decimal(12,2)) / 8 AS n", "cast(concat('x', id) AS binary) AS bin",
+            "date_add(DATE'2024-01-01', cast(id AS int)) AS day", "event_time",
+        )
+
+    assert run_stream(spark, tmp_path, sink, total=300, per_batch=300, transform=transform) is None
+    types = dict(rows(pg, "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = %s", sink.table))
+    assert types == {
+        "id": "bigint", "i": "integer", "b": "boolean", "d": "double precision", "s": "text",
+        "n": "numeric", "bin": "bytea", "day": "date", "event_time": "timestamp with time zone",
+    }
+    got = {r[0]: r[1:] for r in rows(pg, f"SELECT id, i, b, d, s, n, bin, day::text, extract(epoch FROM event_time) FROM {sink.table}")}
+    assert len(got) == 300
+    for i in (0, 1, 2, 299):
+        s = None if i % 3 == 0 else "" if i % 3 == 1 else f'a,"q"\n{i}'
+        assert got[i][:4] == (i, i % 2 == 0, i / 4, s)
+        assert got[i][4] == Decimal(i) / 8 and bytes(got[i][5]) == f"x{i}".encode()
+        assert got[i][6] == str(date(2024, 1, 1) + timedelta(days=i))
+        assert got[i][7] == Decimal(i) / 1000  # event_time = id milliseconds after the epoch
+
+
+# ---- crash windows (DESIGN.md section 3) --------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", TASK_POINTS + DRIVER_POINTS)
+@pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
+def test_crash_window(spark, pg, pg_noprepared, tmp_path, mode, point):
+    """Task points raise in one task (Spark retries it: 'executor lost after its pre-commit' is
+    after_precommit); driver points fail the query, which is restarted on the same checkpoint."""
+    if mode == "idempotent" and point == "mid_commit":
+        pytest.skip("idempotent mode has no mid-commit window: tasks commit their own rows")
+    server = server_for(mode, pg, pg_noprepared)
+    sink = make_sink(server, mode)
+    err = run_stream(spark, tmp_path, sink, crash=f"{point}@1:raise")
+    assert list((tmp_path / "markers").iterdir()), "the crash point never fired"
+    visible = rows(server, f"SELECT count(*) FROM {sink.table}")[0][0]
+    if point in TASK_POINTS:
+        assert err is None  # the retried task finished the batch
+    else:
+        assert err and "InjectedCrash" in err and server.password not in err
+        pending, decided = prepared(server, sink.sink_id), decided_batches(server, sink.sink_id)
+        expect_decided = point != "before_decide"
+        assert (1 in decided) == expect_decided
+        if mode == "two_phase":
+            # Spark aborts a batch whose commit raised: undecided handles are rolled back then;
+            # decided ones stay pending until the restart commits them (batch 1 has 2 handles).
+            expect = {"before_decide": (0, 0), "after_decide": (2, 0), "mid_commit": (1, 500), "after_commit": (0, 1000)}
+            assert (len(pending), visible) == expect[point]
+        else:
+            assert (len(pending), visible) == (0, 1000)  # tasks' rows are visible before any decision
+        assert run_stream(spark, tmp_path, sink) is None
+    assert_exactly_once(server, sink.table, TOTAL, sink.sink_id)
+
+
+def test_postgres_restart_with_prepared_transactions_pending(spark, pg_up, tmp_path):
+    pg = pg_up
+    sink = make_sink(pg)
+    err = run_stream(spark, tmp_path, sink, crash="after_decide@1:raise")
+    assert err and "InjectedCrash" in err
+    before = prepared(pg, sink.sink_id)
+    assert len(before) == 2
+    pg.restart(fast=True)
+    assert prepared(pg, sink.sink_id) == before  # PREPARE TRANSACTION is durable
+    assert run_stream(spark, tmp_path, sink) is None
+    assert_exactly_once(pg, sink.table, TOTAL, sink.sink_id)
+
+
+def test_postgres_down_longer_than_commit_deadline(spark, pg_up, tmp_path):
+    """The decided batch survives an outage longer than the deadline: the query fails
+    (restart strategy), and the restart after PostgreSQL is back commits it."""
+    pg = pg_up
+    sink = make_sink(pg, commit_deadline=2)
+    err = run_stream(spark, tmp_path, sink, crash="after_decide@1:raise")
+    assert err and "InjectedCrash" in err
+    decision = sink.data_source().decision(lineage := rows(pg, "SELECT lineage FROM onceflow_commit_log WHERE sink = %s AND batch_id = 1", sink.sink_id)[0][0], 1)
+    assert decision is not None and len(decision.handles) == 2
+    pg.stop()
+    started = time.monotonic()
+    with pytest.raises(SinkError) as e:
+        sink.data_source().commit(decision)  # the driver's commit step, retried until the deadline
+    assert 2 <= time.monotonic() - started < 15
+    assert "127.0.0.1" in str(e.value) and pg.password not in str(e.value)
+    err = run_stream(spark, tmp_path, sink)  # restart while still down: fails, loses nothing
+    assert err and "SinkError" in err and pg.password not in err
+    pg.start()
+    assert len(prepared(pg, sink.sink_id)) == 2
+    assert run_stream(spark, tmp_path, sink) is None
+    assert_exactly_once(pg, sink.table, TOTAL, sink.sink_id)
+    assert lineage
+
+
+# ---- fence, recovery, fingerprint -------------------------------------------------------------
+
+
+def test_fence_refuses_second_driver_and_open_recovers(spark, pg, tmp_path):
+    sink = make_sink(pg)
+    err = run_stream(spark, tmp_path, sink, crash="after_decide@1:raise")
+    assert err and "InjectedCrash" in err
+    lineage = json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
+    source = sink.data_source({"checkpointlocation": str(tmp_path / "ckpt")})
+    with source.open(lineage) as fence:
+        assert fence.recovered == {"committed": 2, "rolled_back": 0}
+        assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(1000,)]
+        with pytest.raises(FencedError, match="another driver is running") as e:
+            sink.data_source().open(lineage)
+        assert "backend pid" in str(e.value) and pg.password not in str(e.value)
+        other = sink.data_source().open(str(uuid.uuid4()))  # other lineages are not fenced
+        other.close()
+    sink.data_source().open(lineage).close()  # released with the first fence
+
+
+def test_job_runner_opens_the_fence_and_recovers_after_driver_crash(spark, pg, tmp_path):
+    from onceflow.job import CheckpointConfig, Job
+    from onceflow.runtime.restart import fixed_delay
+
+    sink = make_sink(pg)
+    opts = sink.options() | {"test_crash_at": "after_decide@1:raise", "test_crash_markers": str(tmp_path)}
+    sink.options = lambda: opts  # type: ignore[method-assign]
+    Job(
+        name="pgjob", source=lambda s: seq(s, TOTAL, PER_BATCH), sink=sink,
+        checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0),
+        restart_strategy=fixed_delay(attempts=3, delay=0), stop_when_idle=1.0,
+    ).run(spark=spark)
+    assert list(tmp_path.glob("fired-*"))
+    assert_exactly_once(pg, sink.table, TOTAL, sink.sink_id)
+    logged = "".join(p.read_text() for p in (tmp_path / "ckpt").rglob("*") if p.is_file() and "events" in p.name)
+    assert pg.password not in logged
+
+
+def test_fingerprint_mismatch_stops_with_clear_error(spark, pg, tmp_path):
+    """Rolling the checkpoint back to an older copy and replanning batches differently while
+    keeping the lineage is refused, not silently skipped."""
+    import shutil
+
+    sink = make_sink(pg)
+    assert run_stream(spark, tmp_path, sink, total=1000) is None
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "old")
+    assert run_stream(spark, tmp_path, sink, total=TOTAL) is None
+    shutil.rmtree(tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "old", tmp_path / "ckpt")
+    err = run_stream(spark, tmp_path, sink, total=TOTAL, per_batch=700)
+    assert err and "FingerprintMismatch" in err and "--fork" in err
+    assert_exactly_once(pg, sink.table, TOTAL, sink.sink_id)
+
+
+# ---- bad inputs and secrets -----------------------------------------------------------------
+
+
+def stream_schema(spark):
+    return seq(spark, 10, 10).schema
+
+
+def test_unreachable_and_wrong_password_name_the_server_not_the_password(spark, pg):
+    schema = stream_schema(spark)
+    dead = PostgresSink(f"postgresql://postgres:{pg.password}@127.0.0.1:1/postgres", table="t")
+    with pytest.raises(SinkError, match=r"127\.0\.0\.1:1/postgres") as e:
+        dead.data_source().validate(schema, False)
+    assert pg.password not in str(e.value)
+    wrong = PostgresSink(pg.dsn.replace(pg.password, "nope-" + pg.password[::-1]), table="t")
+    with pytest.raises(ConfigError, match="password") as e:
+        wrong.data_source().validate(schema, False)
+    assert pg.password[::-1] not in str(e.value)
+
+
+def test_missing_table_mismatched_columns_and_upsert_keys(spark, pg):
+    schema = stream_schema(spark)
+    name = f"t_{uid()}"
+    with pytest.raises(ConfigError, match="create_table=True"):
+        PostgresSink(pg.dsn, table=name).data_source().validate(schema, False)
+    execute(pg, f"CREATE TABLE {name} (id text, key bigint, extra int NOT NULL)")
+    with pytest.raises(ConfigError) as e:
+        PostgresSink(pg.dsn, table=name).data_source().validate(schema, False)
+    msg = str(e.value)
+    assert "id (stream bigint, table text)" in msg and "event_time (not in the table)" in msg and "extra" in msg
+    execute(pg, f"CREATE TABLE {name}_ok (id bigint, key bigint, event_time timestamptz)")
+    PostgresSink(pg.dsn, table=f"{name}_ok").data_source().validate(schema, False)
+    with pytest.raises(ConfigError, match="primary key or unique index"):
+        PostgresSink(pg.dsn, table=f"{name}_ok", write="upsert", keys=["id"]).data_source().validate(schema, False)
+
+
+def test_two_phase_needs_prepared_transactions(spark, pg_noprepared):
+    schema = stream_schema(spark)
+    with pytest.raises(ConfigError, match="max_prepared_transactions.*idempotent"):
+        PostgresSink(pg_noprepared.dsn, table="t", create_table=True).data_source().validate(schema, False)
+    PostgresSink(pg_noprepared.dsn, table=f"t_{uid()}", mode="idempotent", create_table=True).data_source().validate(schema, False)
+
+
+def test_password_is_masked_everywhere(pg):
+    sink = PostgresSink(pg.dsn, table="t")
+    assert pg.password not in repr(sink) and pg.password not in str(sink) and "***" in repr(sink)
+    opts = sink.options()
+    assert pg.password not in opts["dsn"] and opts["password"] == pg.password  # Spark redacts *password* keys
+    source = sink.data_source()
+    assert pg.password not in repr(source)
+    kv = PostgresSink(f"host=127.0.0.1 port={pg.port} user=postgres password={pg.password}", table="t")
+    assert pg.password not in repr(kv)
+
+
+# ---- doctor -----------------------------------------------------------------------------------
+
+
+def test_doctor_reports_and_resolve_applies_recovery_rules(spark, pg, pg_noprepared, tmp_path):
+    from onceflow.sinks.postgres_doctor import doctor, resolve
+
+    decided_sink = make_sink(pg)
+    assert "InjectedCrash" in run_stream(spark, tmp_path, decided_sink, crash="after_decide@1:raise")
+    # a driver killed before its decision: two undecided prepared transactions
+    undecided_table = f"t_{uid()}"
+    execute(pg, f"CREATE TABLE {undecided_table} (id bigint)")
+    dead_lineage = uuid.uuid4()
+    for p in range(2):
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            conn.execute("BEGIN")
+            conn.execute(f"INSERT INTO {undecided_table} VALUES ({p})")
+            conn.execute(f"PREPARE TRANSACTION 'onceflow:dead:{dead_lineage}:1:{p}:0:run'")
+    checks = {c.name: c for c in doctor(pg.dsn)}
+    assert checks["reachable"].ok and checks["max_prepared_transactions"].ok and checks["create_privilege"].ok
+    dangling = checks["dangling_prepared_transactions"]
+    assert not dangling.ok and "2 decided (to commit)" in dangling.detail and "2 undecided (to roll back)" in dangling.detail
+    assert "exactly-once" in checks["guarantees"].detail
+    report = resolve(pg.dsn)
+    assert (report.committed, report.rolled_back, report.skipped) == (2, 2, [])
+    assert rows(pg, f"SELECT count(*) FROM {decided_sink.table}") == [(1000,)]
+    assert rows(pg, f"SELECT count(*) FROM {undecided_table}") == [(0,)]
+    assert {c.name: c.ok for c in doctor(pg.dsn)}["dangling_prepared_transactions"]
+    assert not {c.name: c.ok for c in doctor(pg_noprepared.dsn)}["max_prepared_transactions"]
+    unreachable = doctor(f"postgresql://postgres:{pg.password}@127.0.0.1:1/postgres")
+    assert [c.ok for c in unreachable] == [False] and pg.password not in unreachable[0].detail
