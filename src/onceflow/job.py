@@ -57,7 +57,11 @@ class CheckpointConfig:
         self.min_pause_s = seconds(self.min_pause, "CheckpointConfig.min_pause") or 0.0
 
     def spark_conf(self) -> dict[str, str]:
-        conf = {"spark.sql.streaming.minBatchesToRetain": str(self.batches_retained)}
+        conf = {
+            "spark.sql.streaming.minBatchesToRetain": str(self.batches_retained),
+            "spark.sql.streaming.stateStore.providerClass":
+                "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
+        }
         if self.state_backend == "rocksdb":
             conf["spark.sql.streaming.stateStore.providerClass"] = (
                 "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"

@@ -131,6 +131,9 @@ class JobRunner:
 
         register_all(spark)
         job = self.job
+        for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf}.items():
+            if key.startswith("spark.sql."):  # session confs: apply to a given session too
+                spark.conf.set(key, value)
         df = job.source(spark)
         if job.transform is not None:
             df = job.transform(df)

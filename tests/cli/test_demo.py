@@ -1,0 +1,32 @@
+"""`onceflow demo` end to end: real supervisor, real SIGKILL of the driver's process group."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.slow
+def test_demo_survives_driver_sigkill_exactly_once(tmp_path):
+    workdir = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "onceflow", "demo", "--events", "300000", "--rate", "20000",
+         "--kills", "1", "--seed", "7", "--dir", str(workdir)],
+        capture_output=True, text=True, timeout=400,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "EXACTLY ONCE" in out
+    events = [json.loads(x) for x in (workdir / "checkpoint/_onceflow/events.jsonl").read_text().splitlines()]
+    restarts = [e for e in events if e["event"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["cause"] == "killed by SIGKILL"
+    assert sum(1 for e in events if e["event"] == "process_start") == 2
+
+
+def test_demo_rejects_bad_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "onceflow", "demo", "--events", "10"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--events" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,88 @@
+"""JobRunner: state backends through crash and replay, batch timeout, min pause (real Spark)."""
+
+from __future__ import annotations
+
+import pytest
+
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.demo.job import transform as running_count
+from onceflow.job import CheckpointConfig, Job
+from onceflow.runtime.restart import fixed_delay
+from onceflow.runtime.runner import GaveUp
+from onceflow.sinks.delta import DeltaSink
+from onceflow.verify.exactly_once import check_delta_table
+
+
+def seq(total: int, per_batch: int):
+    return lambda spark: (
+        spark.readStream.format("onceflow-sequence").option("total", total)
+        .option("rows_per_second", 10**9).option("max_rows_per_batch", per_batch).load()
+    )
+
+
+class CrashingDeltaSink(DeltaSink):
+    """A Delta sink whose options carry a fault-injection rule (raise mode)."""
+
+    def __init__(self, path, rule, markers):
+        super().__init__(path)
+        self.rule, self.markers = rule, markers
+
+    def options(self):
+        return {**super().options(), "test_crash_at": self.rule, "test_crash_markers": self.markers}
+
+
+@pytest.mark.parametrize("backend", ["hashmap", "rocksdb"])
+def test_stateful_job_exactly_once_through_replay(spark, tmp_path, backend):
+    """A crash after the Delta commit replays the batch: the sink skips it, and the state
+    (running count per key) must still advance exactly once — replayed tasks drain input."""
+    (tmp_path / "m").mkdir()
+    job = Job(
+        name="counts", source=seq(4000, 1000), transform=running_count,
+        sink=CrashingDeltaSink(str(tmp_path / "t"), "after_commit@1:raise", str(tmp_path / "m")),
+        checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0, state_backend=backend),
+        restart_strategy=fixed_delay(attempts=2, delay=0), stop_when_idle=1.0,
+    )
+    job.run(spark=spark)
+    report = check_delta_table(str(tmp_path / "t"), 4000)
+    assert report.ok and report.state_errors == 0, report
+    events = list(EventLog(str(tmp_path / "ckpt")).read())
+    assert any(e["event"] == "sink_commit" and e["replay"] and e["batch"] == 1 for e in events)
+    provider = spark.conf.get("spark.sql.streaming.stateStore.providerClass")
+    assert ("RocksDB" in provider) == (backend == "rocksdb")
+
+
+def test_batch_timeout_fails_the_attempt_and_uses_the_restart_strategy(spark, tmp_path):
+    def slow(df):
+        from pyspark.sql.functions import pandas_udf
+
+        @pandas_udf("long")
+        def sleepy(s):
+            import time
+
+            time.sleep(4)
+            return s
+
+        return df.withColumn("id", sleepy("id"))
+
+    job = Job(
+        name="slow", source=seq(100, 100), transform=slow, sink=DeltaSink(str(tmp_path / "t")),
+        checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0, batch_timeout="1 s"),
+        restart_strategy=fixed_delay(attempts=1, delay=0),
+    )
+    with pytest.raises(GaveUp, match="BatchTimeout"):
+        job.run(spark=spark)
+    events = [e["event"] for e in EventLog(str(tmp_path / "ckpt")).read()]
+    assert events.count("restart") == 1 and events[-1] == "gave_up"
+
+
+def test_min_pause_between_batches(spark, tmp_path):
+    job = Job(
+        name="paused", source=seq(3000, 1000), sink=DeltaSink(str(tmp_path / "t")),
+        checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0, min_pause="1.5 s"),
+        stop_when_idle=1.0,
+    )
+    job.run(spark=spark)
+    commits = [e["ts"] for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "sink_commit"]
+    assert len(commits) >= 3
+    gaps = [b - a for a, b in zip(commits, commits[1:], strict=False)]
+    assert min(gaps) >= 1.5, gaps
