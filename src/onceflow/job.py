@@ -96,8 +96,17 @@ class Job:
         if self.output_mode not in ("append", "complete", "update"):
             raise ConfigError(f"Job.output_mode {self.output_mode!r}: use append, complete or update")
 
-    def run(self, spark: SparkSession | None = None, stop=None) -> None:
-        """Run until done, stopped (``stop``: a threading.Event) or out of restarts."""
-        from onceflow.runtime.runner import JobRunner
+    def run(self, spark: SparkSession | None = None, stop=None, *, from_savepoint: str | None = None,
+            fork: bool = False, rescale: int | None = None, allow_non_restored_state: bool = False) -> None:
+        """Run until done, stopped (``stop``: a threading.Event) or out of restarts.
 
-        JobRunner(self, spark=spark, stop=stop).run()
+        ``from_savepoint``: first restore that savepoint into the (empty) checkpoint directory;
+        ``fork`` (new lineage), ``rescale`` and ``allow_non_restored_state``: see
+        :class:`onceflow.savepoint.RestoreRequest`.
+        """
+        from onceflow.runtime.runner import JobRunner
+        from onceflow.savepoint.restore import RestoreRequest
+
+        restore = (RestoreRequest(from_savepoint, fork, rescale, allow_non_restored_state)
+                   if from_savepoint else None)
+        JobRunner(self, spark=spark, stop=stop, restore=restore).run()

@@ -70,8 +70,9 @@ def check_checkpoint_dir(url: str) -> None:
 class JobRunner:
     """Runs one Job until its source is exhausted, a stop is requested, or restarts run out."""
 
-    def __init__(self, job: Job, spark=None, stop: threading.Event | None = None):
+    def __init__(self, job: Job, spark=None, stop: threading.Event | None = None, restore=None):
         self.job = job
+        self.restore = restore  # a savepoint.RestoreRequest, applied before the first query
         self.spark = spark
         self.stop = stop or threading.Event()
         self.url = job.checkpoint.directory.rstrip("/")
@@ -86,6 +87,8 @@ class JobRunner:
             lease = DriverLease(self.url, job.name).acquire()
             stack.callback(lease.release)
             spark = self.spark or self._spark()
+            if self.restore is not None:
+                self.restore.apply(self.url, job=job, spark=spark)
             started = time.time()
             self.events.append("start", job=job.name, restart_strategy=job.restart_strategy.describe())
             attempt = 0

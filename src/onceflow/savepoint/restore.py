@@ -1,0 +1,359 @@
+"""Restoring a savepoint into a job's (empty) checkpoint directory: resume, fork, roll back, rescale.
+
+* **resume**: the restored ``metadata`` keeps the savepoint's query id, so the sinks see the
+  same lineage and continue after the savepoint's batch.
+* **fork** (``fork=True``): a new query id is written into ``metadata`` — a new lineage the
+  sinks treat as a new writer; the original job may keep running on its own checkpoint.
+* **roll back**: restoring a savepoint older than what the sinks already committed for its
+  lineage. Resuming that under the same lineage would re-run committed batch ids from other
+  offsets; it is refused unless ``fork=True`` (the sinks' fingerprint check is the safety
+  net behind this check). With ``fork=True`` the batches after the savepoint are replayed
+  under the new lineage, and that is logged loudly.
+* **rescale** (``rescale=N``): after restoring, Spark's offline state repartition
+  (``StreamingCheckpointManager.repartition``, Spark 4.2+) rewrites the state into N
+  partitions as an extra batch that reads no input. Spark 4.3 supports it for the RocksDB
+  state store only; onceflow refuses it up front for HDFS-backed state and stateless jobs.
+
+Everything that can be checked is checked before anything is written; a failure afterwards
+(checksum mismatch found while copying, repartition error) removes what the restore wrote.
+The restore is idempotent per savepoint: ``_onceflow/restore.json`` records it, so a driver
+restarted by the supervisor does not restore twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fsspec.core import url_to_fs
+
+from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
+from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.savepoint.manifest import DATA_DIR, Manifest, SavepointError, read_manifest
+from onceflow.savepoint.transfer import Copied, copy_tree
+
+if TYPE_CHECKING:
+    from onceflow.job import Job
+
+log = logging.getLogger("onceflow.savepoint")
+
+MARKER = f"{EVENTS_DIR}/restore.json"
+ROCKSDB = "RocksDBStateStoreProvider"
+
+# Physical-plan node names (explain) -> operatorName in Spark's state metadata, normalised.
+_ALIASES = {
+    "statestorerestore": "statestoresave",
+    "streamingdeduplicate": "dedupe",
+    "streamingdeduplicatewithinwatermark": "dedupewithinwatermark",
+    "flatmapgroupsinpandaswithstate": "applyinpandaswithstate",
+    "streamingsymmetrichashjoin": "symmetrichashjoin",
+    "streaminggloballimit": "globallimit",
+    "transformwithstateinpyspark": "transformwithstateinpyspark",
+}
+
+
+def _norm(name: str | None) -> str | None:
+    if not name:
+        return None
+    n = re.sub(r"[^a-z]", "", name.lower()).removesuffix("exec")
+    return _ALIASES.get(n, n)
+
+
+def job_operators(spark, job: Job) -> dict[int, str]:
+    """Stateful operators of ``job``'s query (id -> plan node name), from Spark's planner."""
+    from onceflow.spark import register_all
+
+    register_all(spark)
+    df = job.source(spark)
+    if job.transform is not None:
+        df = job.transform(df)
+    plan = spark._jvm.PythonSQLUtils.explainString(df._jdf.queryExecution(), "simple")
+    ops: dict[int, str] = {}
+    for line in plan.splitlines():
+        m = re.search(r"opId = (\d+)", line)
+        if not m or "state info" not in line:
+            continue
+        name = re.match(r"^[\s:+\-|!*()\d]*([A-Za-z]+)", line)
+        ops.setdefault(int(m.group(1)), name.group(1) if name else "?")
+    return ops
+
+
+@dataclass
+class RestoreResult:
+    mode: str  # resume | fork | rollback | already_restored
+    savepoint: str
+    checkpoint: str
+    batch: int
+    lineage: str  # the lineage the job runs under after the restore
+    savepoint_lineage: str
+    rescaled_to: int | None = None
+    skipped_operators: tuple[int, ...] = ()
+
+
+@dataclass
+class RestoreRequest:
+    """``job.run(from_savepoint=...)`` / ``onceflow run --from-savepoint``: what to restore and how."""
+
+    savepoint: str
+    fork: bool = False
+    rescale: int | None = None
+    allow_non_restored_state: bool = False
+
+    def apply(self, checkpoint_url: str, *, job: Job | None = None, spark=None) -> RestoreResult:
+        """Restore into ``checkpoint_url``. With ``job`` and ``spark`` the operators, the sinks'
+        decisions (roll back) and rescale are checked; without, only the files are restored."""
+        sp_url = self.savepoint.rstrip("/")
+        manifest = read_manifest(sp_url)
+        sp_id = f"{manifest.lineage}:{manifest.batch}:{manifest.created}"
+        target = CheckpointDir(checkpoint_url)
+        fs, root = target.fs, target.path.rstrip("/")
+
+        previous = _read_marker(fs, f"{root}/{MARKER}")
+        if previous and previous.get("id") == sp_id and previous.get("status") == "done":
+            log.info("checkpoint %s was already restored from %s; continuing", target.url, sp_url)
+            return RestoreResult("already_restored", sp_url, target.url, manifest.batch,
+                                 previous.get("lineage", manifest.lineage), manifest.lineage,
+                                 previous.get("rescaled_to"))
+        if previous and previous.get("id") == sp_id and previous.get("status") == "in_progress":
+            _wipe(fs, root)  # an interrupted restore of this same savepoint: start over
+        _require_empty(fs, root, target.url)
+
+        sp_fs, sp_root = url_to_fs(sp_url)
+        _check_present(sp_fs, sp_root, sp_url, manifest)
+        ops = job_operators(spark, job) if job is not None and spark is not None else None
+        self._check_rescale(manifest, ops, spark)
+        skipped = self._check_operators(manifest, ops)
+        mode = "fork" if self.fork else "resume"
+        committed_after = self._committed_after(manifest, job, target.url)
+        if committed_after:
+            if not self.fork:
+                raise SavepointError(
+                    f"savepoint {sp_url} is at batch {manifest.batch} of lineage {manifest.lineage}, "
+                    f"but {committed_after} already committed later batches of that lineage: this is "
+                    "a roll back. Resuming it under the same lineage would re-run batch ids the sinks "
+                    "already committed from different offsets. Restore with --fork (fork=True): a new "
+                    "lineage replays from the savepoint's offsets and the sinks receive the rows "
+                    "after the savepoint again, under the new lineage."
+                )
+            mode = "rollback"
+
+        lineage = str(uuid.uuid4()) if self.fork else manifest.lineage
+        existed = fs.exists(root)
+        _write_marker(fs, f"{root}/{MARKER}", {"id": sp_id, "status": "in_progress", "savepoint": sp_url})
+        try:
+            self._copy(manifest, sp_fs, sp_root, sp_url, fs, root, skipped)
+            if self.fork:
+                with fs.open(f"{root}/metadata", "w") as f:
+                    f.write(json.dumps({"id": lineage}, separators=(",", ":")))
+            if self.rescale:
+                _repartition(spark, target.url, self.rescale)
+        except BaseException:
+            _wipe(fs, root)
+            if not existed and fs.exists(root):
+                fs.rm(root, recursive=True)
+            raise
+        _write_marker(fs, f"{root}/{MARKER}", {
+            "id": sp_id, "status": "done", "savepoint": sp_url, "lineage": lineage,
+            "mode": mode, "rescaled_to": self.rescale, "ts": round(time.time(), 3),
+        })
+        result = RestoreResult(mode, sp_url, target.url, manifest.batch, lineage, manifest.lineage,
+                               self.rescale, tuple(skipped))
+        if mode == "rollback":
+            log.warning(
+                "ROLL BACK: restored %s (batch %d of lineage %s) although %s committed later "
+                "batches; the job continues under the NEW lineage %s and replays everything after "
+                "batch %d", sp_url, manifest.batch, manifest.lineage, committed_after, lineage,
+                manifest.batch)
+        else:
+            log.info("restored %s (batch %d) into %s: %s, lineage %s", sp_url, manifest.batch,
+                     target.url, mode, lineage)
+        EventLog(target.url).append(
+            "restore", savepoint=sp_url, mode=mode, batch=manifest.batch, lineage=lineage,
+            savepoint_lineage=manifest.lineage, rescaled_to=self.rescale,
+            skipped_operators=list(skipped), committed_after=committed_after,
+        )
+        return result
+
+    # ---- checks (nothing written yet) -------------------------------------------------
+
+    def _check_operators(self, manifest: Manifest, ops: dict[int, str] | None) -> list[int]:
+        """Operator ids in the savepoint that the job does not have (dropped with the flag)."""
+        if ops is None:
+            return []
+        saved = {o.id: o for o in manifest.operators}
+        for op, name in sorted(ops.items()):
+            if op not in saved:
+                raise SavepointError(
+                    f"the job's stateful operator {op} ({name}) has no state in savepoint "
+                    f"{self.savepoint} (taken from job {manifest.job!r} with "
+                    f"{len(saved)} stateful operator(s)): the savepoint belongs to a different "
+                    "job, or a stateful operator was added, which Spark cannot start from a "
+                    "mid-stream checkpoint"
+                )
+            want, have = _norm(name), _norm(saved[op].name)
+            if want and have and want != have:
+                raise SavepointError(
+                    f"stateful operator {op} is {name} in the job but {saved[op].name} in savepoint "
+                    f"{self.savepoint} (job {manifest.job!r}): the operators do not match; the "
+                    "savepoint belongs to a different job or the pipeline changed"
+                )
+        extra = sorted(set(saved) - set(ops))
+        if extra and not self.allow_non_restored_state:
+            names = ", ".join(f"{i} ({saved[i].name})" for i in extra)
+            raise SavepointError(
+                f"savepoint {self.savepoint} holds state for operator(s) {names} that the job does "
+                "not have (different job, or the operator was removed); pass "
+                "--allow-non-restored-state to drop that state"
+            )
+        return extra
+
+    def _check_rescale(self, manifest: Manifest, ops: dict[int, str] | None, spark) -> None:
+        if self.rescale is None:
+            return
+        if self.rescale < 1:
+            raise SavepointError(f"--rescale {self.rescale}: give a number of state partitions >= 1")
+        stateful = manifest.stateful and (ops is None or bool(ops))
+        if not stateful:
+            raise SavepointError(
+                f"--rescale {self.rescale}: the job is stateless (savepoint {self.savepoint} holds no "
+                "operator state), so there is no state to repartition; just change "
+                "spark.sql.shuffle.partitions"
+            )
+        provider = manifest.state_provider or ""
+        if ROCKSDB not in provider:
+            raise SavepointError(
+                f"--rescale needs the RocksDB state store: Spark {_spark_version()}'s offline "
+                f"state repartition refuses {provider.rsplit('.', 1)[-1] or 'this provider'} "
+                "(STATE_REPARTITION_INVALID_CHECKPOINT.UNSUPPORTED_PROVIDER). Run the job with "
+                "CheckpointConfig(state_backend='rocksdb') to make its state rescalable"
+            )
+        current = max((o.partitions for o in manifest.operators), default=None)
+        if current == self.rescale:
+            raise SavepointError(f"--rescale {self.rescale}: the state already has {current} partitions")
+        if spark is None:
+            raise SavepointError("--rescale needs a SparkSession (restore through job.run or onceflow run)")
+
+    def _committed_after(self, manifest: Manifest, job: Job | None, checkpoint_url: str) -> str | None:
+        """Who already committed batches after the savepoint's batch for its lineage, if anyone."""
+        nxt = manifest.batch + 1
+        if job is not None:
+            sink = job.sink.data_source({"checkpointlocation": checkpoint_url})
+            if sink.decision(manifest.lineage, nxt) is not None:
+                return f"the sink {job.sink.format_name} (it holds a decision for batch {nxt})"
+        origin = CheckpointDir(manifest.created_from)
+        try:
+            if origin.exists() and origin.lineage == manifest.lineage:
+                last = origin.last_committed()
+                if last is not None and last > manifest.batch:
+                    return f"the original checkpoint {origin.url} (last committed batch {last})"
+        except (OSError, ValueError):
+            return None
+        return None
+
+    # ---- writing ------------------------------------------------------------------------
+
+    def _copy(self, manifest, sp_fs, sp_root, sp_url, fs, root, skipped) -> None:
+        expected = {f.path: f for f in manifest.files}
+        drop = tuple(f"{DATA_DIR}/state/{op}/" for op in skipped)
+        prefix = f"{DATA_DIR}/"
+        items = [
+            (f.path, f"{sp_root}/{f.path}", f"{root}/{f.path[len(prefix):]}")
+            for f in manifest.files if not f.path.startswith(drop)
+        ]
+
+        def check(c: Copied) -> None:
+            want = expected[c.rel]
+            if c.size != want.size or c.sha256 != want.sha256:
+                what = (f"size {c.size} instead of {want.size}" if c.size != want.size
+                        else "its SHA-256 does not match the manifest")
+                raise SavepointError(
+                    f"savepoint {sp_url} is damaged: {c.rel} has {what}; nothing was restored "
+                    "(use an intact copy of the savepoint)"
+                )
+
+        copy_tree(items, sp_fs, fs, check)
+
+
+def _repartition(spark, url: str, partitions: int) -> None:
+    try:
+        spark._streamingCheckpointManager.repartition(url, partitions)
+    except Exception as e:  # noqa: BLE001 - Py4J carries Spark's error class in the text
+        first = next((ln for ln in str(e).splitlines() if "Error" in ln or "Exception" in ln), str(e))
+        raise SavepointError(f"Spark's state repartition to {partitions} partitions failed: {first.strip()[:400]}") from None
+
+
+def _spark_version() -> str:
+    from onceflow.savepoint.create import spark_version
+
+    return spark_version()
+
+
+def _read_marker(fs, path: str) -> dict | None:
+    try:
+        with fs.open(path, "r") as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def _write_marker(fs, path: str, record: dict) -> None:
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "w") as f:
+        json.dump(record, f)
+
+
+def _entries(fs, root: str) -> list[str]:
+    try:
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _require_empty(fs, root: str, url: str) -> None:
+    """Only onceflow's own ``_onceflow/`` (lease, event log) may already be there."""
+    names = [n for n in _entries(fs, root) if n != EVENTS_DIR]
+    if names:
+        shown = ", ".join(sorted(names)[:5])
+        raise SavepointError(
+            f"cannot restore into {url}: it is not empty ({shown}); a savepoint is restored into "
+            "an empty or absent checkpoint directory — give the job another checkpoint directory "
+            "(onceflow run --checkpoint URL) or delete this one if it is no longer needed"
+        )
+
+
+def _check_present(sp_fs, sp_root: str, sp_url: str, manifest: Manifest) -> None:
+    """Every listed file exists with its recorded size (cheap; hashes are checked while copying)."""
+    try:
+        listing = {
+            p.rstrip("/"): info for p, info in sp_fs.find(sp_root, detail=True).items()
+        }
+    except FileNotFoundError:
+        listing = {}
+    for f in manifest.files:
+        info = listing.get(f"{sp_root}/{f.path}")
+        if info is None:
+            raise SavepointError(
+                f"savepoint {sp_url} is incomplete: {f.path} is missing; nothing was restored "
+                "(use an intact copy of the savepoint)"
+            )
+        if int(info.get("size") or 0) != f.size:
+            raise SavepointError(
+                f"savepoint {sp_url} is damaged: {f.path} has {info.get('size')} bytes, the manifest "
+                f"says {f.size}; nothing was restored (use an intact copy of the savepoint)"
+            )
+
+
+def _wipe(fs, root: str) -> None:
+    """Remove what a restore wrote: everything but the event log and the lease."""
+    for name in _entries(fs, root):
+        path = f"{root}/{name}"
+        if name == EVENTS_DIR:
+            if fs.exists(f"{root}/{MARKER}"):
+                fs.rm(f"{root}/{MARKER}")
+            continue
+        fs.rm(path, recursive=True)

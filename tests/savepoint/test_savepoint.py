@@ -1,0 +1,256 @@
+"""Savepoints on real Spark: resume, fork, roll back, rescale, relocation, bad inputs.
+
+The job is the demo's stateful running count (applyInPandasWithState): each event id is
+written with its key's running count, so the sink's exact expected contents are known:
+id i (key i % 16) has running_count i // 16 + 1 — whatever stops, savepoints and restores
+happened in between. One checkpoint history is built once per module and shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from deltalake import DeltaTable
+
+from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.demo.job import transform as running_count
+from onceflow.errors import OnceflowError
+from onceflow.job import CheckpointConfig, Job
+from onceflow.runtime.restart import fixed_delay
+from onceflow.savepoint import (
+    RestoreRequest,
+    SavepointError,
+    create_savepoint,
+    dispose_savepoint,
+    inspect_savepoint,
+    list_savepoints,
+    read_manifest,
+)
+from onceflow.sinks.delta import _FILE, DeltaSink
+
+KEYS = 16
+
+
+def seq(total: int, per_batch: int = 1000):
+    def source(spark):
+        return (
+            spark.readStream.format("onceflow-sequence")
+            .option("total", total).option("rows_per_second", 10_000_000)
+            .option("max_rows_per_batch", per_batch).option("keys", KEYS).load()
+        )
+
+    return source
+
+
+def counting_job(ckpt, table, total, backend="hashmap", transform=running_count, name="counts") -> Job:
+    return Job(
+        name=name, source=seq(total), transform=transform, sink=DeltaSink(str(table)),
+        checkpoint=CheckpointConfig(str(ckpt), interval=0, state_backend=backend),
+        restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=0.5,
+    )
+
+
+def rows_by_lineage(table) -> dict[str, list[tuple[int, int]]]:
+    """Committed (id, running_count) rows per writer lineage (from the Delta file names)."""
+    dt = DeltaTable(str(table))
+    out: dict[str, list[tuple[int, int]]] = {}
+    for uri in dt.file_uris():
+        lineage = _FILE.match(uri.rsplit("/", 1)[-1])["lineage"]
+        t = pq.read_table(uri.removeprefix("file://"), columns=["id", "running_count"])
+        out.setdefault(lineage, []).extend(zip(t["id"].to_pylist(), t["running_count"].to_pylist(), strict=True))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def expected(lo: int, hi: int) -> list[tuple[int, int]]:
+    """What an uninterrupted run writes for ids lo..hi-1."""
+    return [(i, i // KEYS + 1) for i in range(lo, hi)]
+
+
+def tree(path) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+
+
+@pytest.fixture(scope="module")
+def history(spark, tmp_path_factory):
+    """ckpt ran to 2000 ids -> sp1; then on to 4000 ids -> sp2 (1000 ids per batch)."""
+    base = tmp_path_factory.mktemp("history")
+    ckpt, table = base / "ckpt", base / "table"
+    counting_job(ckpt, table, 2000).run(spark=spark)
+    sp1, m1 = create_savepoint(str(ckpt), str(base / "sp1"))
+    counting_job(ckpt, table, 4000).run(spark=spark)
+    sp2, m2 = create_savepoint(str(ckpt))  # default target: ../savepoints/sp-<batch>-<time>
+    return {"base": base, "ckpt": ckpt, "table": table, "sp1": sp1, "sp2": sp2, "m1": m1, "m2": m2,
+            "lineage": CheckpointDir(str(ckpt)).lineage}
+
+
+def test_savepoint_format(history):
+    m1, m2 = history["m1"], history["m2"]
+    assert m2.batch == m1.batch + 2  # two batches of 1000 ids in between
+    assert m2.source_offsets == [{"next": 4000}] and m1.source_offsets == [{"next": 2000}]
+    assert m2.lineage == history["lineage"] and m2.job == "counts"
+    assert [(o.id, o.name, o.partitions) for o in m2.operators] == [(0, "applyInPandasWithState", 4)]
+    assert m2.state_provider.endswith("HDFSBackedStateStoreProvider")
+    assert history["sp2"].startswith(str(history["base"] / "savepoints" / f"sp-{m2.batch}-"))
+    paths = {f.path for f in m2.files}
+    # only the last batch's offsets/commits, state up to version batch+1, relative paths only
+    b = m2.batch
+    assert {"checkpoint/metadata", f"checkpoint/offsets/{b}", f"checkpoint/commits/{b}"} <= paths
+    logs = {p for p in paths if re.match(r"checkpoint/(offsets|commits)/", p)}
+    assert logs == {f"checkpoint/{d}/{n}" for d in ("offsets", "commits") for n in (b - 1, b)}
+    assert f"checkpoint/state/0/0/{b + 1}.delta" in paths  # state version batch + 1
+    assert f"checkpoint/state/0/0/{b + 2}.delta" not in paths
+    assert all(not p.startswith("/") and "_onceflow" not in p for p in paths)
+    raw = json.loads(open(os.path.join(history["sp2"], "_savepoint.json")).read())
+    assert raw["format_version"] == 1 and raw["spark_version"].startswith("4.3")
+    assert inspect_savepoint(history["sp2"]).verified is True
+    listed = [url for url, _ in list_savepoints(str(history["ckpt"]))]
+    assert listed == [history["sp2"]]
+
+
+def test_resume_from_relocated_savepoint_equals_uninterrupted_run(spark, history, tmp_path):
+    moved = tmp_path / "elsewhere" / "sp"
+    shutil.copytree(history["sp2"], moved)  # a savepoint is relocatable
+    table = tmp_path / "table"
+    shutil.copytree(history["table"], table)  # the sink as the original job left it
+    ckpt = tmp_path / "ckpt"
+    counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=str(moved))
+    assert CheckpointDir(str(ckpt)).lineage == history["lineage"]  # resume keeps the lineage
+    assert rows_by_lineage(table) == {history["lineage"]: expected(0, 6000)}
+    b = history["m2"].batch
+    assert CheckpointDir(str(ckpt)).committed_batches() == [b - 1, b, b + 1, b + 2]  # 2 new batches
+
+
+def test_roll_back_needs_fork_then_replays_under_a_new_lineage(spark, history, tmp_path):
+    table = tmp_path / "table"
+    shutil.copytree(history["table"], table)
+    before = tree(table)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(OnceflowError, match=r"roll back.*--fork"):
+        counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=history["sp1"])
+    assert tree(table) == before
+    assert [p for p in tree(ckpt) if not p.startswith("_onceflow")] == []  # nothing restored
+
+    counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=history["sp1"], fork=True)
+    new = CheckpointDir(str(ckpt)).lineage
+    assert new != history["lineage"]
+    # The old lineage's rows stay; the fork replays from sp1's offsets (id 2000) on.
+    assert rows_by_lineage(table) == {history["lineage"]: expected(0, 4000), new: expected(2000, 6000)}
+    events = [json.loads(x) for x in open(ckpt / "_onceflow" / "events.jsonl")]
+    assert any(e["event"] == "restore" and e["mode"] == "rollback" for e in events)
+
+
+def test_fork_of_latest_savepoint_is_a_new_writer(spark, history, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = RestoreRequest(history["sp2"], fork=True).apply(
+        str(ckpt), job=counting_job(ckpt, history["table"], 4000), spark=spark)
+    assert result.mode == "fork" and result.lineage != history["lineage"]
+    assert CheckpointDir(str(ckpt)).lineage == result.lineage
+    # Without fork the same savepoint resumes (the sink holds nothing after batch 3).
+    again = RestoreRequest(history["sp2"]).apply(str(tmp_path / "c2"),
+                                                  job=counting_job(tmp_path / "c2", history["table"], 4000),
+                                                  spark=spark)
+    assert again.mode == "resume" and again.lineage == history["lineage"]
+
+
+def test_rescale_rocksdb_keeps_every_count(spark, tmp_path):
+    ckpt, table = tmp_path / "ckpt", tmp_path / "table"
+    counting_job(ckpt, table, 2000, backend="rocksdb").run(spark=spark)
+    sp, manifest = create_savepoint(str(ckpt), str(tmp_path / "sp"))
+    assert "RocksDB" in manifest.state_provider
+    assert any(f.path.endswith(".sst") or f.path.endswith(".changelog") for f in manifest.files)
+    ckpt2 = tmp_path / "ckpt2"
+    counting_job(ckpt2, table, 4000, backend="rocksdb").run(spark=spark, from_savepoint=sp, rescale=3)
+    c2 = CheckpointDir(str(ckpt2))
+    last = c2.offsets(c2.last_committed())
+    assert last.metadata["conf"]["spark.sql.shuffle.partitions"] == "3"
+    assert c2.lineage == manifest.lineage
+    assert rows_by_lineage(table) == {manifest.lineage: expected(0, 4000)}
+
+
+# ---- bad input: clear errors, nothing changed on disk --------------------------------------
+
+
+def _damaged_copy(src, dst, how: str) -> str:
+    shutil.copytree(src, dst)
+    name = f"checkpoint/state/0/1/{read_manifest(str(src)).batch + 1}.delta"
+    victim = os.path.join(dst, name)
+    if how == "missing":
+        os.remove(victim)
+    elif how == "truncated":
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+    else:  # same size, one byte changed
+        data = bytearray(open(victim, "rb").read())
+        data[len(data) // 2] ^= 0xFF
+        open(victim, "wb").write(bytes(data))
+    return name
+
+
+@pytest.mark.parametrize("how,msg", [("missing", "is missing"), ("truncated", "bytes, the manifest says"),
+                                     ("tampered", "SHA-256 does not match")])
+def test_damaged_savepoint_is_refused_naming_the_file(history, tmp_path, how, msg):
+    name = _damaged_copy(history["sp2"], tmp_path / "sp", how)
+    target = tmp_path / "ckpt"
+    with pytest.raises(SavepointError, match=re.escape(name) + ".*" if how != "tampered" else re.escape(name)) as e:
+        RestoreRequest(str(tmp_path / "sp")).apply(str(target))
+    assert msg in str(e.value)
+    assert not target.exists()
+    assert not inspect_savepoint(str(tmp_path / "sp")).ok
+
+
+def test_restore_into_non_empty_checkpoint_is_refused(history):
+    before = tree(history["ckpt"])
+    with pytest.raises(SavepointError, match="not empty"):
+        RestoreRequest(history["sp2"]).apply(str(history["ckpt"]))
+    assert tree(history["ckpt"]) == before
+
+
+def test_savepoint_of_a_different_job_is_refused(spark, history, tmp_path):
+    target = tmp_path / "ckpt"
+
+    def other(df):  # a different stateful operator at id 0
+        return df.groupBy("key").count().withColumnRenamed("count", "running_count") \
+            .selectExpr("key AS id", "running_count")
+
+    with pytest.raises(SavepointError, match="operator 0 is StateStoreSave.*applyInPandasWithState"):
+        RestoreRequest(history["sp2"]).apply(str(target), job=counting_job(target, tmp_path / "t", 10, transform=other),
+                                             spark=spark)
+    stateless = counting_job(target, tmp_path / "t", 10, transform=lambda df: df)
+    with pytest.raises(SavepointError, match="--allow-non-restored-state"):
+        RestoreRequest(history["sp2"]).apply(str(target), job=stateless, spark=spark)
+    with pytest.raises(SavepointError, match="stateless"):
+        RestoreRequest(history["sp2"], rescale=3).apply(str(target), job=stateless, spark=spark)
+    with pytest.raises(SavepointError, match="RocksDB"):
+        RestoreRequest(history["sp2"], rescale=3).apply(str(target), job=counting_job(target, tmp_path / "t", 10),
+                                                        spark=spark)
+    assert not target.exists()
+    # Flink's --allow-non-restored-state: the stateless job starts from the offsets, no state.
+    result = RestoreRequest(history["sp2"], allow_non_restored_state=True).apply(
+        str(target), job=stateless, spark=spark)
+    assert result.skipped_operators == (0,) and not (target / "state").exists()
+    assert (target / "offsets" / str(history["m2"].batch)).exists()
+
+
+def test_create_refuses_a_running_job_and_dispose_keeps_non_savepoints(history, tmp_path):
+    from onceflow.checkpoint.lease import DriverLease
+
+    lease = DriverLease(str(history["ckpt"]), "counts").acquire()
+    try:
+        with pytest.raises(SavepointError, match="is running.*onceflow stop --savepoint"):
+            create_savepoint(str(history["ckpt"]), str(tmp_path / "sp"))
+    finally:
+        lease.release()
+    assert not (tmp_path / "sp").exists()
+    with pytest.raises(SavepointError, match="not a savepoint"):
+        dispose_savepoint(str(history["ckpt"]))
+    copy = tmp_path / "copy"
+    shutil.copytree(history["sp1"], copy)
+    assert dispose_savepoint(str(copy)).batch == history["m1"].batch and not copy.exists()
+    assert read_manifest(history["sp1"]).batch == history["m1"].batch
