@@ -80,7 +80,7 @@ def execute(pg, q: str) -> None:
 
 
 def prepared(pg, sink_id: str) -> list[str]:
-    return [r[0] for r in rows(pg, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s", f"onceflow:{sink_id}:%")]
+    return [r[0] for r in rows(pg, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s ORDER BY gid", f"onceflow:{sink_id}:%")]
 
 
 def assert_exactly_once(pg, table: str, total: int, sink_id: str) -> None:
@@ -156,31 +156,38 @@ def test_prepared_transactions_of_a_dead_driver_are_rolled_back_by_the_next_run(
     assert prepared(pg, sink.sink_id) == []
 
 
-def test_type_mapping_and_values_round_trip(spark, pg, tmp_path):
+@pytest.mark.parametrize("with_decimal", [False, True], ids=["binary-copy", "csv-copy"])
+def test_type_mapping_and_values_round_trip(spark, pg, tmp_path, with_decimal):
+    """Every mapped type arrives intact, through binary COPY and (decimals present) CSV COPY."""
     sink = make_sink(pg)
+    decimal_col = ["cast(id AS decimal(12,2)) / 8 AS n"] if with_decimal else []
 
     def transform(df):
         return df.selectExpr(
-            "id", "cast(id AS int) AS i", "id % 2 = 0 AS b", "cast(id AS double) / 4 AS d",
-            "CASE WHEN id % 3 = 0 THEN NULL WHEN id % 3 = 1 THEN '' ELSE concat('a,\"q\"', chr(10), id) END AS s",
-            "cast(id AS decimal(12,2)) / 8 AS n", "cast(concat('x', id) AS binary) AS bin",
-            "date_add(DATE'2024-01-01', cast(id AS int)) AS day", "event_time",
+            "id", "cast(id AS int) AS i", "cast(id % 100 AS smallint) AS sm", "id % 2 = 0 AS b",
+            "cast(id AS double) / 4 AS d", "cast(id AS float) AS f",
+            "CASE WHEN id % 3 = 0 THEN NULL WHEN id % 3 = 1 THEN '' ELSE concat('a,\"q\"é', chr(10), id) END AS s",
+            *decimal_col, "CASE WHEN id % 5 = 0 THEN NULL ELSE cast(concat('x', id) AS binary) END AS bin",
+            "date_add(DATE'1990-01-01', cast(id * 40 AS int)) AS day", "event_time",
         )
 
     assert run_stream(spark, tmp_path, sink, total=300, per_batch=300, transform=transform) is None
     types = dict(rows(pg, "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = %s", sink.table))
     assert types == {
-        "id": "bigint", "i": "integer", "b": "boolean", "d": "double precision", "s": "text",
-        "n": "numeric", "bin": "bytea", "day": "date", "event_time": "timestamp with time zone",
-    }
-    got = {r[0]: r[1:] for r in rows(pg, f"SELECT id, i, b, d, s, n, bin, day::text, extract(epoch FROM event_time) FROM {sink.table}")}
+        "id": "bigint", "i": "integer", "sm": "smallint", "b": "boolean", "d": "double precision",
+        "f": "real", "s": "text", "bin": "bytea", "day": "date", "event_time": "timestamp with time zone",
+    } | ({"n": "numeric"} if with_decimal else {})
+    got = {r[0]: r[1:] for r in rows(
+        pg, f"SELECT id, i, sm, b, d, f, s, bin, day::text, extract(epoch FROM event_time) FROM {sink.table}")}
     assert len(got) == 300
-    for i in (0, 1, 2, 299):
-        s = None if i % 3 == 0 else "" if i % 3 == 1 else f'a,"q"\n{i}'
-        assert got[i][:4] == (i, i % 2 == 0, i / 4, s)
-        assert got[i][4] == Decimal(i) / 8 and bytes(got[i][5]) == f"x{i}".encode()
-        assert got[i][6] == str(date(2024, 1, 1) + timedelta(days=i))
-        assert got[i][7] == Decimal(i) / 1000  # event_time = id milliseconds after the epoch
+    for i in (0, 1, 2, 5, 299):
+        s = None if i % 3 == 0 else "" if i % 3 == 1 else f'a,"q"é\n{i}'
+        assert got[i][:6] == (i, i % 100, i % 2 == 0, i / 4, float(i), s)
+        assert got[i][6] == (None if i % 5 == 0 else f"x{i}".encode())
+        assert got[i][7] == str(date(1990, 1, 1) + timedelta(days=i * 40))
+        assert got[i][8] == Decimal(i) / 1000  # event_time = id milliseconds after the epoch
+    if with_decimal:
+        assert rows(pg, f"SELECT n FROM {sink.table} WHERE id = 299") == [(Decimal("37.375"),)]  # Spark widens the scale of the division
 
 
 # ---- crash windows (DESIGN.md section 3) --------------------------------------------------------
@@ -363,30 +370,55 @@ def test_password_is_masked_everywhere(pg):
 # ---- doctor -----------------------------------------------------------------------------------
 
 
+class Database:
+    """A fresh database on a shared cluster (doctor and resolve look at a whole database)."""
+
+    def __init__(self, cluster, name: str):
+        execute(cluster, f"CREATE DATABASE {name}")
+        self.dsn, self.password, self.port = cluster.dsn.rsplit("/", 1)[0] + f"/{name}", cluster.password, cluster.port
+
+
 def test_doctor_reports_and_resolve_applies_recovery_rules(spark, pg, pg_noprepared, tmp_path):
     from onceflow.sinks.postgres_doctor import doctor, resolve
 
-    decided_sink = make_sink(pg)
+    db = Database(pg, f"doctor_{uid()}")
+    decided_sink = make_sink(db)
     assert "InjectedCrash" in run_stream(spark, tmp_path, decided_sink, crash="after_decide@1:raise")
     # a driver killed before its decision: two undecided prepared transactions
     undecided_table = f"t_{uid()}"
-    execute(pg, f"CREATE TABLE {undecided_table} (id bigint)")
+    execute(db, f"CREATE TABLE {undecided_table} (id bigint)")
     dead_lineage = uuid.uuid4()
     for p in range(2):
-        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
             conn.execute("BEGIN")
             conn.execute(f"INSERT INTO {undecided_table} VALUES ({p})")
             conn.execute(f"PREPARE TRANSACTION 'onceflow:dead:{dead_lineage}:1:{p}:0:run'")
-    checks = {c.name: c for c in doctor(pg.dsn)}
+    checks = {c.name: c for c in doctor(db.dsn)}
     assert checks["reachable"].ok and checks["max_prepared_transactions"].ok and checks["create_privilege"].ok
     dangling = checks["dangling_prepared_transactions"]
     assert not dangling.ok and "2 decided (to commit)" in dangling.detail and "2 undecided (to roll back)" in dangling.detail
     assert "exactly-once" in checks["guarantees"].detail
-    report = resolve(pg.dsn)
+    report = resolve(db.dsn)
     assert (report.committed, report.rolled_back, report.skipped) == (2, 2, [])
-    assert rows(pg, f"SELECT count(*) FROM {decided_sink.table}") == [(1000,)]
-    assert rows(pg, f"SELECT count(*) FROM {undecided_table}") == [(0,)]
-    assert {c.name: c.ok for c in doctor(pg.dsn)}["dangling_prepared_transactions"]
+    assert rows(db, f"SELECT count(*) FROM {decided_sink.table}") == [(1000,)]
+    assert rows(db, f"SELECT count(*) FROM {undecided_table}") == [(0,)]
+    assert {c.name: c.ok for c in doctor(db.dsn)}["dangling_prepared_transactions"]
     assert not {c.name: c.ok for c in doctor(pg_noprepared.dsn)}["max_prepared_transactions"]
     unreachable = doctor(f"postgresql://postgres:{pg.password}@127.0.0.1:1/postgres")
     assert [c.ok for c in unreachable] == [False] and pg.password not in unreachable[0].detail
+
+
+def test_resolve_skips_a_lineage_whose_driver_is_running(pg):
+    from onceflow.sinks.postgres_doctor import resolve
+
+    db = Database(pg, f"resolve_{uid()}")
+    sink = make_sink(db)
+    lineage = str(uuid.uuid4())
+    with sink.data_source().open(lineage):  # the running driver; its batch 0 is in flight
+        with psycopg.connect(db.dsn, autocommit=True) as conn:
+            conn.execute("BEGIN")
+            conn.execute(f"PREPARE TRANSACTION 'onceflow:{sink.sink_id}:{lineage}:0:0:0:run'")
+        report = resolve(db.dsn)
+    assert (report.committed, report.rolled_back, report.ok) == (0, 0, False)
+    assert "running driver" in report.skipped[0]
+    assert resolve(db.dsn).rolled_back == 1

@@ -32,10 +32,11 @@ import json
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import psycopg
 import pyarrow as pa
 import pyarrow.csv as pacsv
@@ -142,22 +143,130 @@ def _csv_ready(batch: pa.RecordBatch) -> pa.RecordBatch:
     return pa.RecordBatch.from_arrays(out, names=batch.schema.names)
 
 
-def _copy(cur: psycopg.Cursor, target: sql.Composable, columns: list[str], batches: Iterator, ordinal: bool = False) -> int:
-    """COPY Arrow record batches into ``target`` as CSV (pyarrow's C++ writer); returns rows."""
-    names = [sql.Identifier(c) for c in columns] + ([sql.Identifier("_onceflow_ord")] if ordinal else [])
-    stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(target, sql.SQL(", ").join(names))
-    rows = 0
-    with cur.copy(stmt) as cp:
+# Binary COPY: Arrow type -> (numpy big-endian dtype or None for variable width, PostgreSQL
+# types with that exact binary representation). Anything else goes through CSV.
+_PGCOPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00" + bytes(8)
+_PGCOPY_TRAILER = b"\xff\xff"
+_PG_EPOCH_US = 946_684_800_000_000
+_PG_EPOCH_DAYS = 10_957
+_TEXT_TYPES = {"text", "character varying", "character"}
+
+
+def _binary_pg_types(t: pa.DataType) -> set[str]:
+    if pa.types.is_int64(t):
+        return {"bigint"}
+    if pa.types.is_int32(t):
+        return {"integer"}
+    if pa.types.is_int16(t) or pa.types.is_int8(t):
+        return {"smallint"}
+    if pa.types.is_float64(t):
+        return {"double precision"}
+    if pa.types.is_float32(t):
+        return {"real"}
+    if pa.types.is_boolean(t):
+        return {"boolean"}
+    if pa.types.is_timestamp(t):
+        return {"timestamp with time zone", "timestamp without time zone"}
+    if pa.types.is_date32(t):
+        return {"date"}
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return _TEXT_TYPES
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t):
+        return {"bytea"}
+    return set()
+
+
+def _fixed_values(col: pa.Array) -> np.ndarray | None:
+    """Big-endian payloads of a fixed-width column (nulls filled with 0), None if variable width."""
+    t = col.type
+    if pa.types.is_timestamp(t):
+        us = col.cast(pa.timestamp("us", tz=t.tz)).cast(pa.int64()).fill_null(0).to_numpy()
+        return (us - _PG_EPOCH_US).astype(">i8")
+    if pa.types.is_date32(t):
+        return (col.cast(pa.int32()).fill_null(0).to_numpy() - _PG_EPOCH_DAYS).astype(">i4")
+    if pa.types.is_boolean(t):
+        return col.fill_null(False).to_numpy(zero_copy_only=False).astype(np.uint8)
+    if pa.types.is_integer(t) or pa.types.is_floating(t):
+        dtype = {"int8": ">i2", "int16": ">i2", "int32": ">i4", "int64": ">i8", "float": ">f4", "double": ">f8"}[str(t)]
+        return col.fill_null(0).to_numpy().astype(dtype)
+    return None
+
+
+def _scatter(out: np.ndarray, starts: np.ndarray, chunks: np.ndarray) -> None:
+    out[starts[:, None] + np.arange(chunks.shape[1])] = chunks
+
+
+def encode_binary(batch: pa.RecordBatch) -> memoryview:
+    """The batch's rows in PostgreSQL's binary COPY tuple format, built with numpy (no per-row Python)."""
+    n = batch.num_rows
+    row_size = np.full(n, 2, dtype=np.int64)
+    cols = []
+    for col in batch.columns:
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
+        fixed = _fixed_values(col)
+        if fixed is not None:
+            size = np.where(valid, fixed.dtype.itemsize, 0)
+            cols.append((valid, size, fixed, None))
+        else:
+            large = pa.types.is_large_string(col.type) or pa.types.is_large_binary(col.type)
+            bufs = col.buffers()
+            offsets = np.frombuffer(bufs[1], dtype=np.int64 if large else np.int32)[col.offset: col.offset + n + 1]
+            offsets = offsets.astype(np.int64)
+            data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+            size = np.where(valid, np.diff(offsets), 0)
+            cols.append((valid, size, data, offsets))
+        row_size += 4 + size
+    row_start = np.cumsum(row_size) - row_size
+    out = np.empty(int(row_size.sum()), dtype=np.uint8)
+    _scatter(out, row_start, np.full(n, len(cols), dtype=">i2").view(np.uint8).reshape(n, 2))
+    pos = row_start + 2
+    for valid, size, values, offsets in cols:
+        _scatter(out, pos, np.where(valid, size, -1).astype(">i4").view(np.uint8).reshape(n, 4))
+        payload = pos + 4
+        if offsets is None:
+            rows = slice(None) if valid.all() else valid.nonzero()[0]
+            _scatter(out, payload[rows], values[rows].view(np.uint8).reshape(-1, values.dtype.itemsize))
+        elif (total := int(size.sum())) > 0:
+            rel = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(size) - size, size)
+            out[np.repeat(payload, size) + rel] = values[np.repeat(offsets[:-1], size) + rel]
+        pos = payload + size
+    return memoryview(out)
+
+
+def _copy(cur: psycopg.Cursor, target: sql.Composable, columns: list[str], batches: Iterator,
+          table_types: dict[str, str], ordinal: bool = False) -> int:
+    """COPY Arrow record batches into ``target``; returns the row count.
+
+    Binary COPY (numpy-encoded) when every column's Arrow type has the table column's binary
+    representation; otherwise CSV written by pyarrow's C++ writer (e.g. decimals, widening).
+    """
+    names = columns + (["_onceflow_ord"] if ordinal else [])
+    rows, binary = 0, None
+    with ExitStack() as stack:
         for batch in batches:
             if not batch.num_rows:
                 continue
-            batch = _csv_ready(batch)
             if ordinal:
-                batch = batch.append_column("_onceflow_ord", pa.array(range(rows, rows + batch.num_rows), pa.int64()))
-            buf = pa.BufferOutputStream()
-            pacsv.write_csv(batch, buf, _CSV)
-            cp.write(memoryview(buf.getvalue()))
+                batch = batch.append_column("_onceflow_ord", pa.array(np.arange(rows, rows + batch.num_rows)))
+            if binary is None:
+                binary = all(
+                    re.sub(r"\(.*\)", "", table_types.get(name, "")) in _binary_pg_types(f.type)
+                    for name, f in zip(names, batch.schema, strict=True)
+                )
+                stmt = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT {})").format(
+                    target, sql.SQL(", ").join(map(sql.Identifier, names)), sql.SQL("binary" if binary else "csv"))
+                cp = stack.enter_context(cur.copy(stmt))
+                if binary:
+                    cp.write(_PGCOPY_SIGNATURE)
+            if binary:
+                cp.write(encode_binary(batch))
+            else:
+                buf = pa.BufferOutputStream()
+                pacsv.write_csv(_csv_ready(batch), buf, _CSV)
+                cp.write(memoryview(buf.getvalue()))
             rows += batch.num_rows
+        if binary:
+            cp.write(_PGCOPY_TRAILER)
     return rows
 
 
@@ -466,10 +575,13 @@ class PostgresDataSource(TwoPhaseCommitSink):
         return out
 
     def _decided_gids(self, conn: psycopg.Connection, lineage: str, batches: set[int]) -> dict[int, set[str]]:
-        rows = conn.execute(
-            sql.SQL("SELECT batch_id, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = ANY(%s)").format(self.log_table),
-            [self.sink_id, lineage, sorted(batches)],
-        ).fetchall()
+        try:
+            rows = conn.execute(
+                sql.SQL("SELECT batch_id, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = ANY(%s)").format(self.log_table),
+                [self.sink_id, lineage, sorted(batches)],
+            ).fetchall()
+        except psycopg.errors.UndefinedTable:  # no commit log yet: nothing was ever decided here
+            return {}
         return {b: {h["gid"] for h in handles if isinstance(h, dict) and "gid" in h} for b, handles in rows}
 
     def _finish(self, conn: psycopg.Connection, verb: str, gid: str) -> bool:
@@ -544,13 +656,18 @@ class PostgresDataSource(TwoPhaseCommitSink):
 
     def _write_rows(self, cur: psycopg.Cursor, schema: T.StructType, batches: Iterator, stage: str) -> int:
         columns = schema.names
+        types = dict(cur.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+            "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
+            [self.table.as_string(cur)],
+        ).fetchall()) | {"_onceflow_ord": "bigint"}
         if self.write_kind == "append":
-            return _copy(cur, self.table, columns, batches)
+            return _copy(cur, self.table, columns, batches, types)
         st = sql.Identifier(*filter(None, (self.table_schema, stage)))
         cols = sql.SQL(", ").join(map(sql.Identifier, columns))
         keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
         cur.execute(sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {}, NULL::bigint AS _onceflow_ord FROM {} WITH NO DATA").format(st, cols, self.table))
-        rows = _copy(cur, st, columns, batches, ordinal=True)
+        rows = _copy(cur, st, columns, batches, types, ordinal=True)
         others = [c for c in columns if c not in self.keys]
         action = (
             sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
