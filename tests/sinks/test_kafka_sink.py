@@ -1,0 +1,242 @@
+"""Kafka sink, probe and Kafka → Delta end-to-end against a real broker (tansu) and local Spark.
+
+tansu (our only broker in tests) does not hide records of aborted transactions from
+read_committed consumers. So: (a)/(b) assert that the probe sees exactly that and that
+exactly_once refuses to start; (c) tests everything else with the probe bypassed
+(``skip_broker_probe``) on paths where no transaction is ever aborted (the crash points fire
+before a task's transaction begins or after it committed), so every record in the topic is a
+committed one and counting all of them is honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from kafka_broker import KafkaBroker, create_topic, produce
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.errors import ConfigError, OnceflowError
+from onceflow.job import CheckpointConfig, Job
+from onceflow.runtime.restart import fixed_delay
+from onceflow.sinks.delta import DeltaSink
+from onceflow.sinks.kafka import MARKER_TOPIC, KafkaSink, close_all, doctor, probe
+from onceflow.sources.deadletter import decode_values, read_dead_letters
+from onceflow.sources.kafka import KafkaSource
+from onceflow.verify.exactly_once import check_delta_table, check_ids
+
+# One record per producer batch: tansu under-reports the log end of multi-record batches.
+ONE_PER_BATCH = {"batch.num.messages": 1, "linger.ms": 0}
+
+
+@pytest.fixture(scope="module")
+def kafka_broker() -> Iterator[str]:
+    with KafkaBroker() as broker:
+        yield broker.bootstrap
+        close_all()  # this process's cached marker readers / driver producers
+
+
+@pytest.fixture
+def topic_name() -> str:
+    return f"t-{uuid.uuid4().hex[:10]}"
+
+
+def read_topic(bootstrap: str, topic: str, partitions: int = 1) -> list:
+    """Every record of ``topic`` (read_uncommitted: on tansu read_committed shows the same)."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"v-{uuid.uuid4().hex[:6]}",
+                  "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
+    ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
+            for p in range(partitions)}
+    c.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+    out, deadline = [], time.monotonic() + 30
+    while time.monotonic() < deadline:
+        out += [m for m in c.consume(1000, 0.3) if m.error() is None]
+        pos = {tp.partition: tp.offset for tp in c.position([TopicPartition(topic, p) for p in range(partitions)])}
+        if all(ends[p] == 0 or pos[p] >= ends[p] for p in range(partitions)):
+            break
+    c.close()
+    return out
+
+
+def seq_source(total: int, per_batch: int):
+    def source(spark):
+        return (spark.readStream.format("onceflow-sequence").option("total", total)
+                .option("rows_per_second", 10_000_000).option("max_rows_per_batch", per_batch)
+                .option("partitions", 3).load())
+    return source
+
+
+def as_record(df):
+    return df.selectExpr("CAST(id AS STRING) AS key", "CAST(id AS STRING) AS value")
+
+
+def kafka_job(tmp_path, bootstrap, topic, total, extra=None, per_batch=300, **sink_kw) -> Job:
+    sink = KafkaSink(bootstrap, topic, producer_config=ONE_PER_BATCH, **sink_kw)
+    opts = sink.options() | {"skip_broker_probe": "true"} | (extra or {})
+    sink.options = lambda: opts  # type: ignore[method-assign]
+    return Job(name="k", source=seq_source(total, per_batch), transform=as_record, sink=sink,
+               checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0),
+               restart_strategy=fixed_delay(attempts=4, delay=0), stop_when_idle=1.0)
+
+
+# ---- (a) (b) the probe and the refusal -------------------------------------------------------
+
+
+def test_probe_reports_that_tansu_shows_aborted_records(kafka_broker):
+    result = probe(kafka_broker, timeout=15)
+    assert not result.ok
+    assert "does not filter aborted transactions" in result.detail
+    checks = {c.name: c for c in doctor(kafka_broker, timeout=15)}
+    assert checks["reachable"].ok and not checks["aborted_records_hidden"].ok
+    assert not checks["guarantee_exactly_once"].ok and "REFUSED" in checks["guarantee_exactly_once"].detail
+    assert checks["guarantee_at_least_once"].ok
+
+
+def test_exactly_once_refuses_to_start_on_tansu(spark, kafka_broker, topic_name, tmp_path):
+    create_topic(kafka_broker, topic_name, 1)
+    job = kafka_job(tmp_path, kafka_broker, topic_name, 10)
+    job.sink = KafkaSink(kafka_broker, topic_name)  # no bypass
+    with pytest.raises(ConfigError, match=r"does not filter aborted transactions.*duplicates.*at_least_once"):
+        job.run(spark=spark)
+    assert read_topic(kafka_broker, topic_name) == []
+
+
+# ---- (c) commit path, markers, replays, crash windows ------------------------------------------
+
+
+def test_markers_replays_and_crash_windows(spark, kafka_broker, topic_name, tmp_path):
+    """Three crash windows in one run (each fires once), then a restart on the same checkpoint."""
+    create_topic(kafka_broker, topic_name, 2)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    rules = "after_precommit@1:raise,before_decide@2:raise,after_commit@3:raise"
+    kafka_job(tmp_path, kafka_broker, topic_name, 1500,
+              extra={"test_crash_at": rules, "test_crash_markers": str(markers)}).run(spark=spark)
+    assert len(os.listdir(markers)) == 3, "a fault never fired: the test would prove nothing"
+    ids = [int(m.value()) for m in read_topic(kafka_broker, topic_name, 2)]
+    report = check_ids(ids, 1500)
+    assert report.ok, report
+
+    # Markers: one per (batch, partition) and one decision per batch, with the fingerprint.
+    lineage = json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
+    mine = [json.loads(m.value()) for m in read_topic(kafka_broker, MARKER_TOPIC)
+            if m.key() == f"kafka/{lineage}".encode()]
+    parts = [m for m in mine if m["type"] == "partition"]
+    decisions = {m["batch"]: m for m in mine if m["type"] == "decision"}
+    batches = sorted(int(n) for n in os.listdir(tmp_path / "ckpt" / "commits") if n.isdigit())
+    assert sorted(decisions) == batches
+    assert len(parts) == len({(m["batch"], m["partition"]) for m in parts})  # no partition twice
+    assert {h["partition"] for h in decisions[2]["handles"]} == {0, 1, 2}
+    assert sum(m["rows"] for m in parts) == 1500
+    assert all(len(d["fingerprint"]) == 32 for d in decisions.values())
+    assert {h["reused"] for h in decisions[2]["handles"]} == {True}  # batch 2 replayed: all skipped
+    events = list(EventLog(str(tmp_path / "ckpt")).read())
+    assert any(e["event"] == "sink_commit" and e["batch"] == 3 and e["replay"] for e in events)
+
+    # Restart on the same checkpoint with more input: continues, nothing re-written.
+    kafka_job(tmp_path, kafka_broker, topic_name, 2100).run(spark=spark)
+    report = check_ids([int(m.value()) for m in read_topic(kafka_broker, topic_name, 2)], 2100)
+    assert report.ok, report
+
+
+def test_at_least_once_is_explicit_and_works_on_tansu(spark, kafka_broker, topic_name, tmp_path):
+    create_topic(kafka_broker, topic_name, 1)
+    job = kafka_job(tmp_path, kafka_broker, topic_name, 200, mode="at_least_once")
+    job.sink.options = lambda: KafkaSink(kafka_broker, topic_name, mode="at_least_once",  # no bypass
+                                         producer_config=ONE_PER_BATCH).options()
+    job.run(spark=spark)
+    assert check_ids([int(m.value()) for m in read_topic(kafka_broker, topic_name)], 200).ok
+
+
+# ---- (d) Kafka -> transform -> Delta, crash and restart ---------------------------------------
+
+
+def kafka_to_delta(tmp_path, bootstrap, topic, extra=None, transform=None) -> Job:
+    def source(spark):
+        return KafkaSource(bootstrap, topics=topic, starting_offsets="earliest",
+                           max_offsets_per_trigger=400).load(spark)
+
+    sink = DeltaSink(str(tmp_path / "table"))
+    if extra:
+        opts = sink.options() | extra
+        sink.options = lambda: opts  # type: ignore[method-assign]
+    return Job(name="kd", source=source, sink=sink,
+               transform=transform or (lambda df: df.selectExpr(
+                   "CAST(CAST(value AS STRING) AS BIGINT) AS id", "partition", "offset")),
+               checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0),
+               restart_strategy=fixed_delay(attempts=3, delay=0), stop_when_idle=1.5)
+
+
+def test_kafka_to_delta_exactly_once_through_crash_and_restart(spark, kafka_broker, topic_name, tmp_path):
+    """seeds/000 in small: ids to a 3-partition topic, crash mid-way, restart on the checkpoint."""
+    create_topic(kafka_broker, topic_name, 3)
+    produce(kafka_broker, topic_name, [str(i) for i in range(1200)], partitions=3)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    kafka_to_delta(tmp_path, kafka_broker, topic_name,
+                   extra={"test_crash_at": "after_decide@1:raise", "test_crash_markers": str(markers)}
+                   ).run(spark=spark)
+    assert os.listdir(markers)
+    report = check_delta_table(str(tmp_path / "table"), 1200)
+    assert report.ok, report
+    ckpt = tmp_path / "ckpt"
+    last = max(int(n) for n in os.listdir(ckpt / "offsets") if n.isdigit())
+
+    # Restored on the same checkpoint: starts from offsets/last, not from "earliest".
+    produce(kafka_broker, topic_name, [str(i) for i in range(1200, 1500)], partitions=3)
+    kafka_to_delta(tmp_path, kafka_broker, topic_name).run(spark=spark)
+    report = check_delta_table(str(tmp_path / "table"), 1500)
+    assert report.ok, report
+    later = [e for e in EventLog(str(ckpt)).read() if e["event"] == "batch"]
+    assert sum(e["input_rows"] for e in later if e["batch"] > last) == 300
+
+
+# ---- (e) poison records ------------------------------------------------------------------------
+
+
+def decode_id(value: bytes) -> dict:
+    return {"id": int(json.loads(value)["id"])}
+
+
+def poison_job(tmp_path, bootstrap, topic, dead_letter):
+    return kafka_to_delta(tmp_path, bootstrap, topic, transform=lambda df: decode_values(
+        df, decode_id, "id long", dead_letter=dead_letter))
+
+
+def test_poison_record_goes_to_dead_letter_or_fails_naming_it(spark, kafka_broker, topic_name, tmp_path):
+    create_topic(kafka_broker, topic_name, 1)
+    values = [json.dumps({"id": i}) for i in range(50)]
+    values[17] = "{not json"
+    produce(kafka_broker, topic_name, values, partition=0)
+
+    with pytest.raises(OnceflowError, match=rf"poison record at topic {topic_name} partition 0 offset 17"):
+        poison_job(tmp_path / "fail", kafka_broker, topic_name, None).run(spark=spark)
+    assert check_delta_table(str(tmp_path / "fail" / "table"), 50).committed == 0
+
+    dlq = str(tmp_path / "dlq")
+    poison_job(tmp_path / "ok", kafka_broker, topic_name, dlq).run(spark=spark)
+    report = check_delta_table(str(tmp_path / "ok" / "table"), 50)
+    assert report.missing == 1 and report.sample_missing == [17] and report.duplicates == 0
+    [bad] = read_dead_letters(dlq)
+    assert (bad["topic"], bad["partition"], bad["offset"]) == (topic_name, 0, 17)
+    assert "JSONDecodeError" in bad["error"]
+
+
+# ---- (f) bad input -----------------------------------------------------------------------------
+
+
+def test_bad_input_unreachable_and_unknown_topic(spark, kafka_broker, tmp_path):
+    job = kafka_job(tmp_path, "127.0.0.1:1", "x", 10, timeout=3)
+    job.sink = KafkaSink("127.0.0.1:1", "x", timeout=3)
+    with pytest.raises(ConfigError, match="cannot reach Kafka at 127.0.0.1:1"):
+        job.run(spark=spark)
+    job.sink = KafkaSink(kafka_broker, "no-such-topic", mode="at_least_once")
+    with pytest.raises(ConfigError, match="topic no-such-topic does not exist"):
+        job.run(spark=spark)
+    with pytest.raises(ConfigError, match="mode='exactly-once'"):
+        KafkaSink(kafka_broker, "t", mode="exactly-once").data_source()  # type: ignore[arg-type]
