@@ -5,8 +5,10 @@ from __future__ import annotations
 import click
 
 from onceflow import __version__
+from onceflow.cli.checkpoints import checkpoints, state
 from onceflow.cli.demo import demo
 from onceflow.cli.run import run
+from onceflow.cli.savepoint import savepoint, stop
 from onceflow.errors import OnceflowError
 
 
@@ -30,3 +32,7 @@ def main() -> None:
 # One line per command.
 main.add_command(run)
 main.add_command(demo)
+main.add_command(savepoint)
+main.add_command(stop)
+main.add_command(checkpoints)
+main.add_command(state)

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from onceflow.cli.savepoint import restore_env_for_run, restore_options
 from onceflow.errors import OnceflowError
 from onceflow.runtime.restart import parse
 from onceflow.runtime.supervisor import CHECKPOINT_ENV, RESTART_STRATEGY_ENV, Supervisor
@@ -23,9 +24,10 @@ from onceflow.runtime.supervisor import CHECKPOINT_ENV, RESTART_STRATEGY_ENV, Su
 )
 @click.option("--checkpoint", "checkpoint_url", metavar="URL",
               help="Override the job's checkpoint directory (any fsspec URL).")
-# Savepoint options belong here: --from-savepoint PATH, --fork, --rescale N (not implemented yet).
+@restore_options  # --from-savepoint SP, --fork, --rescale N, --allow-non-restored-state
 @click.pass_context
-def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None) -> None:
+def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
+        **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -43,6 +45,7 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
         job = load_job(target)
         strategy = override or job.restart_strategy
         url = checkpoint_url or job.checkpoint.directory
+        env.update(restore_env_for_run(url, **restore))  # restored by the driver before its query
     except OnceflowError as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(2)

@@ -9,6 +9,7 @@ SIGTERM/SIGINT stop gracefully: the in-flight batch finishes (or is rolled back)
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -39,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     try:
+        from onceflow.savepoint.restore import restore_options_from_env
+
         job = apply_overrides(load_job(argv[0]))
-        job.run(stop=stop)
+        job.run(stop=stop, **restore_options_from_env(os.environ))
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP

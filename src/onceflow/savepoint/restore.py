@@ -43,6 +43,47 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceflow.savepoint")
 
 MARKER = f"{EVENTS_DIR}/restore.json"
+# ``onceflow run --from-savepoint/--fork/--rescale/--allow-non-restored-state`` -> the driver.
+RESTORE_ENV = {
+    "from_savepoint": "ONCEFLOW_FROM_SAVEPOINT",
+    "fork": "ONCEFLOW_FORK",
+    "rescale": "ONCEFLOW_RESCALE",
+    "allow_non_restored_state": "ONCEFLOW_ALLOW_NON_RESTORED_STATE",
+}
+
+
+def restore_env(from_savepoint: str | None, fork: bool, rescale: int | None,
+                allow_non_restored_state: bool) -> dict[str, str]:
+    """Environment for the driver carrying the restore options of ``onceflow run``."""
+    if not from_savepoint:
+        return {}
+    return {RESTORE_ENV["from_savepoint"]: from_savepoint, RESTORE_ENV["fork"]: "1" if fork else "",
+            RESTORE_ENV["rescale"]: str(rescale or ""),
+            RESTORE_ENV["allow_non_restored_state"]: "1" if allow_non_restored_state else ""}
+
+
+def restore_options_from_env(environ) -> dict:
+    """``job.run`` keyword arguments from :func:`restore_env`'s variables (driver side)."""
+    sp = environ.get(RESTORE_ENV["from_savepoint"])
+    if not sp:
+        return {}
+    rescale = environ.get(RESTORE_ENV["rescale"])
+    return {"from_savepoint": sp, "fork": environ.get(RESTORE_ENV["fork"]) == "1",
+            "rescale": int(rescale) if rescale else None,
+            "allow_non_restored_state": environ.get(RESTORE_ENV["allow_non_restored_state"]) == "1"}
+
+
+def precheck(savepoint: str, checkpoint_url: str) -> Manifest:
+    """Cheap checks before a driver is started (no Spark): readable manifest, files present
+    with their sizes, target empty or already restored from this savepoint."""
+    manifest = read_manifest(savepoint.rstrip("/"))
+    target = CheckpointDir(checkpoint_url)
+    previous = _read_marker(target.fs, f"{target.path.rstrip('/')}/{MARKER}")
+    if not (previous and previous.get("id") == f"{manifest.lineage}:{manifest.batch}:{manifest.created}"):
+        _require_empty(target.fs, target.path.rstrip("/"), target.url)
+    sp_fs, sp_root = url_to_fs(savepoint.rstrip("/"))
+    _check_present(sp_fs, sp_root, savepoint.rstrip("/"), manifest)
+    return manifest
 ROCKSDB = "RocksDBStateStoreProvider"
 
 # Physical-plan node names (explain) -> operatorName in Spark's state metadata, normalised.

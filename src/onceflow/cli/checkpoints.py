@@ -1,0 +1,69 @@
+"""``onceflow checkpoints CHECKPOINT_DIR`` (batch history) and ``onceflow state export``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+
+def _offsets(offsets: list) -> str:
+    text = "; ".join(json.dumps(o, separators=(",", ":")) if not isinstance(o, str) else o for o in offsets)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@click.command("checkpoints")
+@click.argument("checkpoint_dir")
+@click.option("--limit", default=20, show_default=True, help="How many recent batches (0: all).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def checkpoints(checkpoint_dir: str, limit: int, as_json: bool) -> None:
+    """Recent batches of CHECKPOINT_DIR: time, duration, rows, offsets, state, sink commit."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from onceflow.checkpoint.history import batch_history
+
+    rows = batch_history(checkpoint_dir, limit or None)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=1, default=str))
+        return
+    if not rows:
+        click.echo(f"no batches in {checkpoint_dir}")
+        return
+    table = Table("batch", "status", "time", "duration", "input rows", "offsets", "state rows",
+                  "state bytes", "sink commit", title=f"checkpoint {checkpoint_dir}")
+    for r in rows:
+        commit = "" if r.sink_commit_s is None else f"{r.sink_commit_s:.3f}s"
+        if r.replays:
+            commit += f" ({r.replays} replay{'s' if r.replays > 1 else ''})"
+        table.add_row(
+            str(r.batch), r.status,
+            time.strftime("%H:%M:%S", time.localtime(r.time)) if r.time else "",
+            f"{r.duration_ms} ms" if r.duration_ms is not None else "",
+            "" if r.input_rows is None else str(r.input_rows), _offsets(r.offsets),
+            "" if r.state_rows is None else str(r.state_rows),
+            "" if r.state_bytes is None else str(r.state_bytes), commit.strip(),
+        )
+    Console(width=200).print(table)
+
+
+@click.group("state")
+def state() -> None:
+    """Operator state (read side of Flink's State Processor API)."""
+
+
+@state.command("export")
+@click.argument("location", metavar="CHECKPOINT_OR_SAVEPOINT")
+@click.option("--operator", "operator", type=int, required=True, help="Stateful operator id.")
+@click.option("--out", required=True, metavar="FILE.parquet", help="Parquet file to write.")
+@click.option("--store", help="State store name (joins have several; default: 'default').")
+@click.option("--batch", type=int, help="Batch whose state to read (default: last committed/saved).")
+def export(location: str, operator: int, out: str, store: str | None, batch: int | None) -> None:
+    """Write one operator's state rows (key, value, partition_id) to a Parquet file."""
+    from onceflow.savepoint.export import export_state
+    from onceflow.spark import get_spark
+
+    spark = get_spark("local[2]", "onceflow-state-export")
+    rows = export_state(spark, location, operator, out, store=store, batch=batch)
+    click.echo(f"exported {rows} state rows of operator {operator} to {out}")

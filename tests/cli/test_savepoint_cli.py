@@ -1,0 +1,140 @@
+"""CLI: onceflow run -> stop --savepoint -> savepoint inspect/list -> run --from-savepoint,
+checkpoints, state export, and the CLI's refusals (real processes, real Spark)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.cli.main import main
+from onceflow.cli.savepoint import restore_env_for_run
+from onceflow.runtime import driver
+from onceflow.runtime.supervisor import CHECKPOINT_ENV
+from onceflow.verify.exactly_once import check_delta_table
+
+JOB = textwrap.dedent(
+    """
+    import os
+    from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
+    from onceflow.demo.job import transform
+
+    def source(spark):
+        return (spark.readStream.format("onceflow-sequence")
+                .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 2000)
+                .option("max_rows_per_batch", 1000).option("keys", 16).load())
+
+    job = Job(name="cli-counts", source=source, transform=transform,
+              sink=DeltaSink(os.environ["WORK"] + "/table"),
+              checkpoint=CheckpointConfig(os.environ["WORK"] + "/ckpt", interval=0),
+              restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=1.0)
+    """
+)
+
+
+def onceflow(*args: str, env: dict, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "onceflow", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_stop_with_savepoint_then_resume_from_it(spark, tmp_path, monkeypatch):
+    (tmp_path / "job.py").write_text(JOB)
+    env = {**os.environ, "WORK": str(tmp_path), "TOTAL": "40000", "ONCEFLOW_SPARK_LOG_LEVEL": "ERROR"}
+    ckpt = CheckpointDir(str(tmp_path / "ckpt"))
+    sup = onceflow("run", str(tmp_path / "job.py"), env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while len(ckpt.committed_batches()) < 3:
+            assert sup.poll() is None, sup.communicate()
+            assert time.monotonic() < deadline, "the job committed no batches"
+            time.sleep(0.3)
+        sp = str(tmp_path / "sp")
+        stopper = onceflow("stop", "--savepoint", sp, str(ckpt.url), env=env)
+        out, err = stopper.communicate(timeout=180)
+        assert stopper.returncode == 0, err
+        assert "stopped supervisor pid" in out and f"savepoint {sp}" in out
+        assert sup.wait(timeout=60) == 0
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    saved = json.loads(open(f"{sp}/_savepoint.json").read())
+    stopped_at = saved["source_offsets"][0]["next"]
+    assert 0 < stopped_at < 40000 and saved["batch"] == ckpt.last_committed()
+
+    cli = CliRunner()
+    r = cli.invoke(main, ["savepoint", "inspect", sp])
+    assert r.exit_code == 0, r.output
+    assert f"source[0] = {{\"next\": {stopped_at}}}" in r.output
+    assert "operator    0 applyInPandasWithState: 4 partitions" in r.output and "checksums   OK" in r.output
+    r = cli.invoke(main, ["savepoint", "list", str(tmp_path), "--json"])
+    assert [s["batch"] for s in json.loads(r.output)] == [saved["batch"]]
+    r = cli.invoke(main, ["checkpoints", str(ckpt.url), "--json", "--limit", "0"])
+    batches = json.loads(r.output)
+    committed = [b for b in batches if b["status"] == "committed"]
+    assert committed[-1]["batch"] == saved["batch"]
+    assert all(b["status"] == "planned" for b in batches if b["batch"] > saved["batch"])  # stopped before running
+    assert sum(b["input_rows"] or 0 for b in committed) == stopped_at
+    assert all(b["sink_commit_s"] is not None for b in batches if b["input_rows"])
+    r = cli.invoke(main, ["checkpoints", str(ckpt.url)])
+    assert "input rows" in r.output and "sink commit" in r.output
+
+    # State export from the savepoint: one row per key, counts add up to the saved offset.
+    r = cli.invoke(main, ["state", "export", sp, "--operator", "0", "--out", str(tmp_path / "s.parquet")])
+    assert r.exit_code == 0, r.output
+    state = pq.read_table(tmp_path / "s.parquet").to_pylist()
+    assert len(state) == 16 and sum(row["value"]["groupState"]["count"] for row in state) == stopped_at
+
+    # Restoring into the job's own (non-empty) checkpoint is refused before any driver starts.
+    r = cli.invoke(main, ["run", str(tmp_path / "job.py"), "--from-savepoint", sp], env=env)
+    assert r.exit_code == 2 and "not empty" in r.output
+    r = cli.invoke(main, ["run", str(tmp_path / "job.py"), "--fork"], env=env)
+    assert r.exit_code == 2 and "need --from-savepoint" in r.output
+
+    # Resume into a new checkpoint: the sink ends exactly as after an uninterrupted run.
+    # 'onceflow run --from-savepoint SP --checkpoint C2' hands the driver exactly this
+    # environment; the driver runs in-process here to reuse the test's JVM.
+    ckpt2 = tmp_path / "ckpt2"
+    restore = restore_env_for_run(str(ckpt2), sp, False, None, False)
+    for k, v in {**env, "TOTAL": str(stopped_at + 3000), CHECKPOINT_ENV: str(ckpt2), **restore}.items():
+        monkeypatch.setenv(k, v)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert driver.main([str(tmp_path / "job.py")]) == driver.EXIT_OK
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert CheckpointDir(str(ckpt2)).lineage == ckpt.lineage
+    report = check_delta_table(str(tmp_path / "table"), stopped_at + 3000)
+    assert report.ok, report
+    import deltalake
+
+    rows = deltalake.DeltaTable(str(tmp_path / "table")).to_pyarrow_table(columns=["id", "running_count"])
+    assert sorted(zip(rows["id"].to_pylist(), rows["running_count"].to_pylist(), strict=True)) == [
+        (i, i // 16 + 1) for i in range(stopped_at + 3000)]
+
+
+def test_savepoint_cli_refusals(tmp_path):
+    cli = CliRunner()
+    r = cli.invoke(main, ["savepoint", "create", str(tmp_path / "nothing")])
+    assert r.exit_code == 2 and "not a started Spark checkpoint" in r.output
+    r = cli.invoke(main, ["savepoint", "inspect", str(tmp_path)])
+    assert r.exit_code == 2 and "not a savepoint" in r.output
+    r = cli.invoke(main, ["savepoint", "dispose", str(tmp_path)])
+    assert r.exit_code == 2 and tmp_path.exists()
+    r = cli.invoke(main, ["savepoint", "list", str(tmp_path)])
+    assert r.exit_code == 0 and "no savepoints" in r.output
+
+
+@pytest.mark.parametrize("args", [["stop", "{tmp}/ckpt"]])
+def test_stop_when_nothing_runs(tmp_path, args):
+    r = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
+    assert r.exit_code == 0 and "not running" in r.output
