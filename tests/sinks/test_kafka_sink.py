@@ -96,6 +96,17 @@ def test_probe_reports_that_tansu_shows_aborted_records(kafka_broker):
     assert not checks["guarantee_exactly_once"].ok and "REFUSED" in checks["guarantee_exactly_once"].detail
     assert checks["guarantee_at_least_once"].ok
 
+    from click.testing import CliRunner
+
+    from onceflow.cli.main import main
+
+    out = CliRunner().invoke(main, ["doctor", "--kafka", kafka_broker, "--timeout", "15"])
+    assert out.exit_code == 1, out.output
+    assert "does not filter aborted transactions" in out.output and "mode at_least_once" in out.output
+    listing = CliRunner().invoke(main, ["doctor"])
+    assert listing.exit_code == 0 and "onceflow-kafka-sink:" in listing.output
+    assert "mode=exactly_once: exactly-once for read_committed consumers" in listing.output
+
 
 def test_exactly_once_refuses_to_start_on_tansu(spark, kafka_broker, topic_name, tmp_path):
     create_topic(kafka_broker, topic_name, 1)
@@ -199,11 +210,12 @@ def test_kafka_to_delta_exactly_once_through_crash_and_restart(spark, kafka_brok
 # ---- (e) poison records ------------------------------------------------------------------------
 
 
-def decode_id(value: bytes) -> dict:
-    return {"id": int(json.loads(value)["id"])}
-
-
 def poison_job(tmp_path, bootstrap, topic, dead_letter):
+    def decode_id(value: bytes) -> dict:  # nested: pickled by value for the Python workers
+        import json
+
+        return {"id": int(json.loads(value)["id"])}
+
     return kafka_to_delta(tmp_path, bootstrap, topic, transform=lambda df: decode_values(
         df, decode_id, "id long", dead_letter=dead_letter))
 

@@ -7,6 +7,7 @@ import click
 from onceflow import __version__
 from onceflow.cli.checkpoints import checkpoints, state
 from onceflow.cli.demo import demo
+from onceflow.cli.doctor import doctor
 from onceflow.cli.run import run
 from onceflow.cli.savepoint import savepoint, stop
 from onceflow.errors import OnceflowError
@@ -36,3 +37,4 @@ main.add_command(savepoint)
 main.add_command(stop)
 main.add_command(checkpoints)
 main.add_command(state)
+main.add_command(doctor)

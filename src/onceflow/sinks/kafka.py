@@ -97,7 +97,8 @@ _PROBE_LOCK = threading.Lock()
 def _admin(conf: Mapping[str, Any]):
     from confluent_kafka.admin import AdminClient
 
-    return AdminClient({k: v for k, v in conf.items() if not k.startswith(("transaction", "enable.idempotence", "linger", "batch", "partitioner", "acks", "compression"))})
+    # log_level 0: failures surface as exceptions with the cause; no reconnect spam on stderr
+    return AdminClient({"log_level": 0, **_consumer_conf(conf)})
 
 
 def _reachable(conf: Mapping[str, Any], timeout: float):

@@ -1,0 +1,93 @@
+"""``onceflow doctor``: check a sink system and state the guarantee each sink mode gives.
+
+* ``--kafka BOOTSTRAP``: reachability, whether read_committed hides aborted transactional
+  records (the probe that gates mode exactly_once), the marker topic, and per mode the
+  guarantee this broker allows.
+* ``--postgres DSN [--resolve]``: the PostgreSQL sink's checks; ``--resolve`` commits decided
+  and rolls back undecided onceflow prepared transactions of stopped jobs.
+* no option: every registered sink with its modes and their guarantees.
+
+Exit code 1 when a check fails, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import click
+
+from onceflow.errors import OnceflowError
+
+# Sinks' modes for the no-option listing: format -> (option name, modes, options to build one).
+_MODES = {
+    "onceflow-delta": ("mode", ("append", "complete"), {"path": "/tmp/unused"}),
+    "onceflow-postgres": ("mode", ("two_phase", "idempotent"), {"dsn": "host=unused", "table": "unused"}),
+    "onceflow-kafka-sink": ("mode", ("exactly_once", "at_least_once"), {"bootstrap_servers": "unused:9092"}),
+}
+
+
+def _print(name: str, ok: bool, detail: str) -> None:
+    mark = click.style("ok  ", fg="green") if ok else click.style("FAIL", fg="red")
+    click.echo(f"  [{mark}] {name}: {detail}")
+
+
+def _list_guarantees() -> None:
+    from onceflow.sinks.registry import SINKS, _load
+
+    for fmt, ref in SINKS.items():
+        try:
+            cls = _load(ref)
+        except (ImportError, AttributeError) as e:
+            click.echo(f"{fmt}: not available ({e}; install the matching extra)")
+            continue
+        click.echo(f"{fmt}:")
+        option, modes, base = _MODES.get(fmt, ("mode", (), {}))
+        if not modes:
+            click.echo(f"  {cls.__doc__.splitlines()[0] if cls.__doc__ else ''}")
+            continue
+        for mode in modes:
+            try:
+                text = cls({**base, option: mode}).describe_guarantee()
+            except OnceflowError as e:
+                text = f"(cannot describe: {e})"
+            click.echo(f"  {option}={mode}: {text}")
+
+
+@click.command("doctor")
+@click.option("--kafka", "kafka", metavar="BOOTSTRAP",
+              help="Check a Kafka cluster for the Kafka sink (host:port[,host:port]).")
+@click.option("--postgres", "postgres", metavar="DSN", help="Check a PostgreSQL server for the PostgreSQL sink.")
+@click.option("--resolve", is_flag=True,
+              help="With --postgres: commit decided / roll back undecided onceflow prepared transactions.")
+@click.option("--timeout", default=20.0, show_default=True, metavar="SECONDS",
+              help="Timeout of each Kafka check.")
+@click.pass_context
+def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve: bool, timeout: float) -> None:
+    """Check sink systems and print the guarantee of every sink mode."""
+    if resolve and not postgres:
+        raise click.UsageError("--resolve needs --postgres DSN")
+    failed = False
+    if not kafka and not postgres:
+        _list_guarantees()
+        return
+    if kafka:
+        from onceflow.sinks.kafka import doctor as kafka_doctor
+
+        click.echo(f"Kafka at {kafka}:")
+        for check in kafka_doctor(kafka, timeout):
+            _print(check.name, check.ok, check.detail)
+            failed |= not check.ok
+    if postgres:
+        from onceflow.sinks.postgres import mask_dsn
+        from onceflow.sinks.postgres_doctor import doctor as pg_doctor
+        from onceflow.sinks.postgres_doctor import resolve as pg_resolve
+
+        click.echo(f"PostgreSQL at {mask_dsn(postgres)}:")
+        for check in pg_doctor(postgres):
+            _print(check.name, check.ok, check.detail)
+            failed |= not check.ok
+        if resolve:
+            report = pg_resolve(postgres)
+            _print("resolve", report.ok,
+                   f"committed {report.committed}, rolled back {report.rolled_back}"
+                   + (f"; skipped: {'; '.join(report.skipped)}" if report.skipped else ""))
+            failed |= not report.ok
+    ctx.exit(1 if failed else 0)
