@@ -23,8 +23,12 @@ java_ok() { command -v java >/dev/null && java -version 2>&1 | grep -Eq 'version
 java_ok || need_apt openjdk-17-jre-headless
 java_ok || { echo "setup: Java 17+ still not found on PATH; install it and retry" >&2; exit 1; }
 
-if [ "$want_test" = test ] && [ ! -x /usr/lib/postgresql/15/bin/initdb ]; then
-  need_apt postgresql-15
+if [ "$want_test" = test ]; then
+  [ -x /usr/lib/postgresql/15/bin/initdb ] || need_apt postgresql-15
+  # PostgreSQL refuses to run as root: the test clusters run as the 'postgres' OS user.
+  if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
+    useradd --system --no-create-home --shell /usr/sbin/nologin postgres
+  fi
 fi
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
