@@ -72,7 +72,7 @@ def main() -> int:
         ckpt = build(args.work, keys, args.backend)
         runs = {"copy": [], "create": [], "restore": []}
         base = f"{args.work}/{args.backend}-{keys}"
-        for i in range(args.repeat):
+        for _ in range(args.repeat):
             for d in ("sp", "copy", "restored"):
                 shutil.rmtree(f"{base}/{d}", ignore_errors=True)
             t = time.monotonic()
