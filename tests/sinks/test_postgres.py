@@ -140,6 +140,27 @@ def test_upsert_last_row_per_key_wins_through_a_task_crash(spark, pg, pg_noprepa
     assert prepared(server, sink.sink_id) == []
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
+def test_upsert_keys_colliding_across_partitions_last_row_wins(spark, pg, pg_noprepared, tmp_path, mode):
+    """Every key appears in both partitions of every batch. Tasks only stage their rows; the
+    driver merges a batch at commit, the last row per key in (partition, position) order
+    winning. (Tasks upserting into the table directly hang in two_phase: the second task
+    waits on the first one's prepared transaction.) Staging is empty afterwards."""
+    server = server_for(mode, pg, pg_noprepared)
+    sink = make_sink(server, mode, write="upsert", keys=["k"])
+
+    def transform(df):  # values fall as ids rise: a winner chosen by value would be wrong
+        return df.selectExpr("id % 100 AS k", "-id AS v", "concat('v', id) AS label")
+
+    assert run_stream(spark, tmp_path, sink, partitions=2, transform=transform, timeout=60) is None
+    assert rows(server, f"SELECT k, v, label FROM {sink.table} ORDER BY k") == [
+        (k, -(TOTAL - 100 + k), f"v{TOTAL - 100 + k}") for k in range(100)]
+    assert prepared(server, sink.sink_id) == []
+    stage = sink.data_source().stage_table.as_string()
+    assert rows(server, f"SELECT count(*) FROM {stage}") == [(0,)]
+
+
 def test_prepared_transactions_of_a_dead_driver_are_rolled_back_by_the_next_run(spark, pg, tmp_path):
     """A driver killed after its tasks pre-committed leaves undecided prepared transactions
     (here: one holding row locks on every key). The next run must roll them back and finish."""

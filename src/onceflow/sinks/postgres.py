@@ -124,10 +124,28 @@ def pg_type(dt: T.DataType) -> str:
     raise ConfigError(f"{FORMAT}: Spark type {dt.simpleString()} is not supported; cast it (e.g. to_json for nested types)")
 
 
+_INT_DIGITS = {"smallint": 5, "integer": 10, "bigint": 19}
+
+
+def _numeric_fits(want: str, have: str) -> bool:
+    """A Spark decimal or integer into ``numeric(P,S)``: no fewer integer digits, no smaller scale."""
+    m = re.fullmatch(r"numeric\((\d+),(\d+)\)", have.replace(" ", ""))
+    if m is None:
+        return True  # unconstrained numeric holds everything
+    big, scale = int(m[1]), int(m[2])
+    w = re.fullmatch(r"numeric\((\d+),(\d+)\)", want.replace(" ", ""))
+    p, s = (int(w[1]), int(w[2])) if w else (_INT_DIGITS[want], 0)
+    return scale >= s and big - scale >= p - s
+
+
 def _type_ok(want: str, have: str) -> bool:
+    """Can values of PostgreSQL type ``want`` (from the stream) be stored in column type ``have``
+    without loss? Text into ``varchar(n)`` is allowed (a too-long value fails its task clearly)."""
     base = re.sub(r"\(.*\)", "", have).strip()
     want_base = re.sub(r"\(.*\)", "", want).strip()
-    return want == have or (want_base == "numeric" and base == "numeric") or base in _ALSO.get(want_base, set()) or base == want_base
+    if base == "numeric" and (want_base == "numeric" or want_base in _INT_DIGITS):
+        return _numeric_fits(want, have)
+    return want == have or base == want_base or base in _ALSO.get(want_base, set())
 
 
 def _csv_ready(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -150,6 +168,9 @@ _PGCOPY_TRAILER = b"\xff\xff"
 _PG_EPOCH_US = 946_684_800_000_000
 _PG_EPOCH_DAYS = 10_957
 _TEXT_TYPES = {"text", "character varying", "character"}
+# Upsert staging table: (lineage, batch, partition, position of the row in its partition).
+STAGE_COLUMNS = {"_onceflow_lineage": "text", "_onceflow_batch": "bigint",
+                 "_onceflow_partition": "integer", "_onceflow_seq": "bigint"}
 
 
 def _binary_pg_types(t: pa.DataType) -> set[str]:
@@ -234,20 +255,28 @@ def encode_binary(batch: pa.RecordBatch) -> memoryview:
 
 
 def _copy(cur: psycopg.Cursor, target: sql.Composable, columns: list[str], batches: Iterator,
-          table_types: dict[str, str], ordinal: bool = False) -> int:
+          table_types: dict[str, str], stage: tuple[str, int, int] | None = None) -> int:
     """COPY Arrow record batches into ``target``; returns the row count.
 
+    ``stage`` = (lineage, batch, partition): prepend the staging columns of :data:`STAGE_COLUMNS`
+    (those three plus the row's position in the partition).
     Binary COPY (numpy-encoded) when every column's Arrow type has the table column's binary
     representation; otherwise CSV written by pyarrow's C++ writer (e.g. decimals, widening).
     """
-    names = columns + (["_onceflow_ord"] if ordinal else [])
+    names = ([*STAGE_COLUMNS] if stage else []) + columns
     rows, binary = 0, None
     with ExitStack() as stack:
         for batch in batches:
             if not batch.num_rows:
                 continue
-            if ordinal:
-                batch = batch.append_column("_onceflow_ord", pa.array(np.arange(rows, rows + batch.num_rows)))
+            if stage:
+                n = batch.num_rows
+                batch = pa.RecordBatch.from_arrays(
+                    [pa.array([stage[0]] * n, pa.string()), pa.array(np.full(n, stage[1], np.int64)),
+                     pa.array(np.full(n, stage[2], np.int32)), pa.array(np.arange(rows, rows + n, dtype=np.int64)),
+                     *batch.columns],
+                    names=names,
+                )
             if binary is None:
                 binary = all(
                     re.sub(r"\(.*\)", "", table_types.get(name, "")) in _binary_pg_types(f.type)
@@ -360,6 +389,8 @@ class PostgresDataSource(TwoPhaseCommitSink):
         self.table = sql.Identifier(*filter(None, (schema, name)))
         self.log_table = sql.Identifier(self.log_schema, "onceflow_commit_log")
         self.marker_table = sql.Identifier(self.log_schema, "onceflow_markers")
+        digest = hashlib.sha1(f"{self.sink_id}:{o['table']}".encode()).hexdigest()[:16]
+        self.stage_table = sql.Identifier(self.log_schema, f"onceflow_stage_{digest}")
 
     def __repr__(self) -> str:
         return f"PostgresDataSource({self.where}, table={self.opts['table']}, mode={self.mode}, sink_id={self.sink_id})"
@@ -444,6 +475,8 @@ class PostgresDataSource(TwoPhaseCommitSink):
                     )
             self._ensure_log_tables(conn)
             self._check_table(conn, schema)
+            if self.write_kind == "upsert":
+                self._ensure_stage_table(conn, schema)
 
     def _ensure_log_tables(self, conn: psycopg.Connection) -> None:
         with conn.transaction():
@@ -516,6 +549,79 @@ class PostgresDataSource(TwoPhaseCommitSink):
                     f"{FORMAT}: upsert on keys ({', '.join(self.keys)}) needs a primary key or unique "
                     f"index on exactly those columns of {self.opts['table']}"
                 )
+
+    @staticmethod
+    def _column_types(conn: psycopg.Connection, table: sql.Identifier) -> dict[str, str] | None:
+        """column -> formatted type of an existing table; None when it does not exist."""
+        oid = conn.execute("SELECT to_regclass(%s)::oid", [table.as_string(conn)]).fetchone()[0]
+        if oid is None:
+            return None
+        return dict(conn.execute(
+            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
+            "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum", [oid],
+        ).fetchall())
+
+    def _ensure_stage_table(self, conn: psycopg.Connection, schema: T.StructType) -> None:
+        """The upsert staging table: STAGE_COLUMNS plus the stream's columns with the table's types."""
+        target = self._column_types(conn, self.table) or {}
+        want = STAGE_COLUMNS | {n: target[n] for n in schema.names}
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [_key("onceflow-ddl")])
+            have = self._column_types(conn, self.stage_table)
+            if have is not None and have != want:
+                pending = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(self.stage_table)).fetchone()[0]
+                if pending:
+                    raise ConfigError(
+                        f"{FORMAT}: staging table {self.stage_table.as_string(conn)} holds {pending} row(s) of "
+                        f"an unfinished batch written with other columns than the stream's; run the job "
+                        "once more with its previous columns so recovery applies them, then change them"
+                    )
+                conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+                have = None
+            if have is None:
+                conn.execute(sql.SQL("CREATE TABLE {} AS SELECT {}, {} FROM {} WITH NO DATA").format(
+                    self.stage_table,
+                    sql.SQL(", ").join(sql.SQL("NULL::{} AS {}").format(sql.SQL(t), sql.Identifier(n))
+                                       for n, t in STAGE_COLUMNS.items()),
+                    sql.SQL(", ").join(map(sql.Identifier, schema.names)), self.table,
+                ))
+
+    def _merge(self, conn: psycopg.Connection, lineage: str, batch: int) -> int:
+        """Upsert: move batch N's staged rows into the table in one statement; idempotent.
+
+        The last row per key wins, in (partition, position in the partition) order. A second
+        run finds nothing staged (the first one's DELETE is committed with its INSERT).
+        """
+        cols = [n for n in self._column_types(conn, self.stage_table) or {} if n not in STAGE_COLUMNS]
+        if not cols:
+            return 0
+        others = [c for c in cols if c not in self.keys]
+        keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
+        action = (
+            sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
+                sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others))
+            if others else sql.SQL("DO NOTHING")
+        )
+        cur = conn.execute(sql.SQL(
+            "WITH staged AS (DELETE FROM {st} WHERE _onceflow_lineage = %s AND _onceflow_batch = %s RETURNING *) "
+            "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM staged "
+            "ORDER BY {keys}, _onceflow_partition DESC, _onceflow_seq DESC ON CONFLICT ({keys}) {action}"
+        ).format(st=self.stage_table, t=self.table, cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
+                 keys=keys, action=action), [lineage, batch])
+        return cur.rowcount
+
+    def _merge_decided(self, conn: psycopg.Connection, lineage: str) -> int:
+        """Upsert recovery: merge every decided batch of the lineage that still has staged rows."""
+        if self.write_kind != "upsert" or self._column_types(conn, self.stage_table) is None:
+            return 0
+        staged = [b for (b,) in conn.execute(sql.SQL(
+            "SELECT DISTINCT _onceflow_batch FROM {} WHERE _onceflow_lineage = %s ORDER BY 1").format(self.stage_table),
+            [lineage])]
+        decided = self._decided_gids(conn, lineage, set(staged)) if staged else {}
+        for b in staged:
+            if b in decided:
+                self._merge(conn, lineage, b)
+        return sum(1 for b in staged if b in decided)
 
     # ---- the fence and recovery --------------------------------------------------------
 
@@ -623,15 +729,22 @@ class PostgresDataSource(TwoPhaseCommitSink):
         undecided gids of the checkpoint's latest planned batch are left alone: that batch may be
         running; its tasks and its commit clean up its stale attempts.
         """
+        merged: dict[str, int] = {}
         if self.mode == "idempotent":
-            return {"committed": 0, "rolled_back": 0}
+            if self.write_kind == "upsert":
+                merged["merged"] = self._retrying("recovery", lambda conn: self._merge_decided(conn, lineage))
+            return {"committed": 0, "rolled_back": 0} | merged
         keep = {h["gid"] for h in in_flight if isinstance(h, dict) and "gid" in h}
         latest = None if keep else self._latest_planned_batch()
 
         def run(conn: psycopg.Connection) -> dict[str, int]:
             prepared = [p for p in self._prepared(conn, self._prefix(lineage)) if p.gid not in keep]
+            if self.write_kind == "upsert":  # after the COMMIT PREPAREDs below: all decided rows staged
+                merged["merged"] = 0
             if not prepared:
-                return {"committed": 0, "rolled_back": 0}
+                if merged:
+                    merged["merged"] = self._merge_decided(conn, lineage)
+                return {"committed": 0, "rolled_back": 0} | merged
             decided = self._decided_gids(conn, lineage, {p.batch for p in prepared})
             committed = sum(
                 self._finish(conn, "COMMIT", p.gid) for p in prepared if p.gid in decided.get(p.batch, set())
@@ -641,7 +754,10 @@ class PostgresDataSource(TwoPhaseCommitSink):
                 if p.gid not in decided.get(p.batch, set())
                 and (latest is None or p.batch < latest or p.batch in decided)
             ]
-            return {"committed": committed, "rolled_back": self._rollback_undecided(conn, lineage, stale)}
+            rolled_back = self._rollback_undecided(conn, lineage, stale)
+            if merged:
+                merged["merged"] = self._merge_decided(conn, lineage)
+            return {"committed": committed, "rolled_back": rolled_back} | merged
 
         return self._retrying("recovery", run)
 
@@ -654,50 +770,50 @@ class PostgresDataSource(TwoPhaseCommitSink):
         q = sql.SQL("SELECT 1 FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table)
         return conn.execute(q, [self.sink_id, lineage, batch_id]).fetchone() is not None
 
-    def _write_rows(self, cur: psycopg.Cursor, schema: T.StructType, batches: Iterator, stage: str) -> int:
-        columns = schema.names
-        types = dict(cur.execute(
-            "SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute "
-            "WHERE attrelid = %s::regclass AND attnum > 0 AND NOT attisdropped",
-            [self.table.as_string(cur)],
-        ).fetchall()) | {"_onceflow_ord": "bigint"}
-        if self.write_kind == "append":
-            return _copy(cur, self.table, columns, batches, types)
-        st = sql.Identifier(*filter(None, (self.table_schema, stage)))
-        cols = sql.SQL(", ").join(map(sql.Identifier, columns))
-        keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
-        cur.execute(sql.SQL("CREATE UNLOGGED TABLE {} AS SELECT {}, NULL::bigint AS _onceflow_ord FROM {} WITH NO DATA").format(st, cols, self.table))
-        rows = _copy(cur, st, columns, batches, types, ordinal=True)
-        others = [c for c in columns if c not in self.keys]
-        action = (
-            sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
-                sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others))
-            if others else sql.SQL("DO NOTHING")
-        )
-        cur.execute(sql.SQL(
-            "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM {st} "
-            "ORDER BY {keys}, _onceflow_ord DESC ON CONFLICT ({keys}) {action}"
-        ).format(t=self.table, cols=cols, keys=keys, st=st, action=action))
-        cur.execute(sql.SQL("DROP TABLE {}").format(st))
-        return rows
+    def _write_rows(self, cur: psycopg.Cursor, task: TaskInfo, schema: T.StructType, batches: Iterator) -> int:
+        """COPY the partition into the table (append) or the staging table (upsert)."""
+        target, stage = (self.table, None) if self.write_kind == "append" else (
+            self.stage_table, (task.lineage, task.batch_id, task.partition))
+        types = self._column_types(cur.connection, target)
+        if types is None:
+            raise SinkError(f"{FORMAT}: table {target.as_string(cur)} vanished while the query runs; restart the query")
+        try:
+            return _copy(cur, target, schema.names, batches, types, stage)
+        except psycopg.errors.DataError as e:
+            where_ = re.sub(r"(column [^:]+):.*", r"\1", (e.diag.context or "").splitlines()[0] if e.diag.context else "")
+            raise SinkError(
+                f"{FORMAT}: a row of batch {task.batch_id} does not fit table {self.opts['table']}: "
+                f"{e.diag.message_primary}{f' ({where_})' if where_ else ''}; widen the column or cast/truncate "
+                "it in the transform (nothing of this batch was committed; it is replayed after the restart)"
+            ) from None
 
     def pre_commit(self, task: TaskInfo, schema: T.StructType, overwrite: bool, batches: Iterator) -> tuple[Any, int]:
         run = _run_id()
         gid = f"onceflow:{self.sink_id}:{task.lineage}:{task.batch_id}:{task.partition}:{task.attempt}:{run}"
-        stage = "onceflow_stage_" + hashlib.sha1(gid.encode()).hexdigest()[:24]
         conn = self._connect_retrying("task")
         with conn:
             if self.mode == "idempotent":
-                return self._pre_commit_idempotent(conn, task, schema, batches, stage)
+                return self._pre_commit_idempotent(conn, task, schema, batches)
             self._clean_stale(conn, task, run)
             with conn.cursor() as cur:
                 cur.execute("BEGIN")
-                rows = self._write_rows(cur, schema, batches, stage)
+                rows = self._write_rows(cur, task, schema, batches)
                 if rows == 0:
                     cur.execute("ROLLBACK")
                     return None, 0
                 xid = cur.execute("SELECT txid_current()").fetchone()[0]
-                cur.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+                try:
+                    cur.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+                except psycopg.Error as e:
+                    if "prepared transactions" not in str(e):
+                        raise
+                    raise SinkError(
+                        f"{FORMAT}: PostgreSQL at {self.where} has no free prepared-transaction slot "
+                        f"({e.diag.message_primary}; {e.diag.message_hint or ''}): every write task of a "
+                        "two_phase batch holds one until the commit, so max_prepared_transactions must "
+                        "exceed the stream's write partitions (summed over concurrent onceflow queries); "
+                        "raise it (server restart) or coalesce() the stream to fewer partitions"
+                    ) from None
             # A decision recorded meanwhile cannot list this gid: do not leave it dangling.
             if self._is_decided(conn, task.lineage, task.batch_id):
                 self._finish(conn, "ROLLBACK", gid)
@@ -717,7 +833,7 @@ class PostgresDataSource(TwoPhaseCommitSink):
             n = self._rollback_undecided(conn, task.lineage, stale)
             log.info("%s: rolled back %d stale prepared transaction(s) of %s", FORMAT, n, task.lineage)
 
-    def _pre_commit_idempotent(self, conn, task: TaskInfo, schema, batches, stage: str) -> tuple[Any, int]:
+    def _pre_commit_idempotent(self, conn, task: TaskInfo, schema, batches) -> tuple[Any, int]:
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", [_key("onceflow-decide", self.sink_id, task.lineage)])
             if self._is_decided(conn, task.lineage, task.batch_id):
@@ -731,7 +847,7 @@ class PostgresDataSource(TwoPhaseCommitSink):
                     "SELECT rows FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
                 ).format(self.marker_table), ident).fetchone()[0]
                 return {"partition": task.partition, "rows": done}, done
-            rows = self._write_rows(cur, schema, batches, stage)
+            rows = self._write_rows(cur, task, schema, batches)
             cur.execute(sql.SQL(
                 "UPDATE {} SET rows = %s WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
             ).format(self.marker_table), [rows, *ident])
@@ -781,14 +897,17 @@ class PostgresDataSource(TwoPhaseCommitSink):
         self._retrying("decide", run)
 
     def commit(self, decision: Decision) -> None:
-        """COMMIT PREPARED every decided gid still prepared; roll back the batch's other gids.
+        """COMMIT PREPARED every decided gid still prepared; roll back the batch's other gids;
+        for upsert, then merge the batch's staged rows into the table (one local transaction).
 
         Retries while PostgreSQL is unreachable until commit_deadline, then raises SinkError.
         """
-        if self.mode == "idempotent":
-            return  # rows were committed by the tasks; the decision closes the batch
         handles = [h for h in decision.handles if h]
         lineage, batch = decision.lineage, decision.batch_id
+        if self.mode == "idempotent":  # rows (append) or staged rows (upsert) were committed by the tasks
+            if self.write_kind == "upsert":
+                self._retrying("commit", lambda conn: self._merge(conn, lineage, batch))
+            return
 
         def run(conn: psycopg.Connection) -> None:
             done = 0
@@ -808,6 +927,8 @@ class PostgresDataSource(TwoPhaseCommitSink):
             for p in self._prepared(conn, f"{self._prefix(lineage)}{batch}:"):
                 if p.gid not in keep:
                     self._finish(conn, "ROLLBACK", p.gid)
+            if self.write_kind == "upsert":
+                self._merge(conn, lineage, batch)
 
         self._retrying("commit", run)
 
