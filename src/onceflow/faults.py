@@ -69,5 +69,8 @@ def maybe_crash(
         # PySpark's worker daemon puts workers in their own process group, so target the
         # driver's group: named by the supervisor, else the session leader (the driver was
         # started with start_new_session, so its pid is both the session and group id).
+        # The process that fires may itself be outside that group (the streaming commit
+        # runner is forked by the worker daemon): it dies too, before doing anything more.
         pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
         os.killpg(pgid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,6 @@ batch's result in the same single commit. Guarantee for both: exactly-once.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
@@ -59,7 +58,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
     options_doc = {
         "path": "table URL (created on the first commit if it does not exist)",
         "sink_id": "name of this sink within the job, part of the app id (default 'delta')",
-        "mode": "append (default) or complete (replace the table each batch)",
+        "mode": "append or complete (replace the table each batch); default: the query's output mode",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
     }
 
@@ -67,8 +66,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
         super().__init__(options)
         self.table_url = self.opts["path"].rstrip("/")
         self.sink_id = self.opts.get("sink_id", "delta")
-        mode = self.opts.get("mode", "append")
-        if mode not in ("append", "complete"):
+        mode = self.opts.get("mode") or None
+        if mode not in (None, "append", "complete"):
             raise ConfigError(f"onceflow-delta: mode={mode!r}; use 'append' or 'complete'")
         self.mode = mode
         try:
@@ -90,7 +89,17 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     # ---- validation -----------------------------------------------------------------
 
+    def _mode(self, overwrite: bool) -> str:
+        """The effective mode: Spark's complete output mode means complete, else append."""
+        return "complete" if overwrite else "append"
+
     def validate(self, schema: StructType, overwrite: bool) -> None:
+        if self.mode is not None and self.mode != self._mode(overwrite):
+            raise ConfigError(
+                f"onceflow-delta: sink mode {self.mode!r} does not match the query's output mode "
+                f"({'complete' if overwrite else 'append/update'}); use DeltaSink(mode="
+                f"{self._mode(overwrite)!r}) or leave the mode out to follow the query"
+            )
         fs, path = self._fs()
         table = self._table()
         if table is None:
@@ -156,7 +165,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         rows += batch.num_rows
             finally:
                 writer.close()
-        if rows == 0 and self.mode == "append":
+        if rows == 0 and not overwrite:
             fs.rm(full)
             return None, 0
         size = fs.size(full)
@@ -172,17 +181,11 @@ class DeltaDataSource(TwoPhaseCommitSink):
         version = table.transaction_version(self.app_id(lineage))
         if version is None or version < batch_id:
             return None
-        fingerprint = "unknown"
-        handles: list[Any] = []
-        for entry in table.history(limit=200):
-            meta = entry.get("onceflow")
-            if isinstance(meta, str):
-                meta = json.loads(meta)
-            if meta and meta.get("lineage") == lineage and meta.get("batch") == batch_id:
-                fingerprint = meta.get("fingerprint", "unknown")
-                handles = meta.get("files", [])
-                break
-        return Decision(lineage, batch_id, fingerprint, [{"path": p} for p in handles])
+        meta = _commit_meta(table, lineage, batch_id)
+        if meta is None:  # decided, but its commit entry is gone (log cleanup): files unknown
+            return Decision(lineage, batch_id, "unknown", handles=None)
+        files = meta.get("files", [])
+        return Decision(lineage, batch_id, meta.get("fingerprint", "unknown"), [{"path": p} for p in files])
 
     def decide(self, decision: Decision, schema: StructType, overwrite: bool) -> None:
         """One Delta commit: add actions + app transaction = decision and commit at once."""
@@ -202,7 +205,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
             },
             app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],
         )
-        mode = "overwrite" if self.mode == "complete" else "append"
+        mode = "overwrite" if overwrite else "append"
         arrow_schema = to_arrow_schema(schema)
         table = self._table()
         try:
@@ -220,8 +223,14 @@ class DeltaDataSource(TwoPhaseCommitSink):
             raise SinkError(f"onceflow-delta: commit of batch {decision.batch_id} to {self.table_url} failed: {e}") from e
 
     def commit(self, decision: Decision) -> None:
-        """Visible since :meth:`decide`; here only remove files of losing attempts."""
+        """Visible since :meth:`decide`; here only remove files of losing attempts.
+
+        Never deletes a file the decision lists; when the decision's file list is unknown
+        (its log entry was cleaned up) nothing is deleted at all.
+        """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
+        if decision.handles is None:
+            return
         keep = {h["path"] for h in decision.handles}
         self._remove_files(decision.lineage, lambda b, name: b == decision.batch_id and name not in keep)
 
@@ -232,18 +241,35 @@ class DeltaDataSource(TwoPhaseCommitSink):
                 fs.rm(f"{path}/{h['path']}") if fs.exists(f"{path}/{h['path']}") else None
 
     def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
-        """Delete this lineage's files that no committed version references (except in-flight)."""
+        """Delete this lineage's files that no decision references (except in-flight ones).
+
+        Orphans are files of batches after the last decided one, and files of the last decided
+        batch that its decision does not list (a crash interrupted :meth:`commit`'s cleanup).
+        Files of earlier versions are never touched, so time travel keeps working.
+        """
         table = self._table()
         if table is None:
             return {"orphans_removed": 0}
         version = table.transaction_version(self.app_id(lineage))
-        referenced = set(_referenced_paths(table))
         last = -1 if version is None else version
         keep = {h["path"] for h in in_flight if h}
-        removed = self._remove_files(
-            lineage, lambda b, name: name not in keep and (b > last or name not in referenced)
-        )
-        return {"orphans_removed": removed}
+        if last >= 0:
+            meta = _commit_meta(table, lineage, last)
+            if meta is None:  # unknown file list: only clean batches after the decided one
+                last_files = None
+            else:
+                last_files = set(meta.get("files", []))
+        else:
+            last_files = set()
+
+        def orphan(b: int, name: str) -> bool:
+            if name in keep:
+                return False
+            if b > last:
+                return True
+            return b == last and last_files is not None and name not in last_files
+
+        return {"orphans_removed": self._remove_files(lineage, orphan)}
 
     def _remove_files(self, lineage: str, predicate) -> int:
         fs, path = self._fs()
@@ -257,9 +283,19 @@ class DeltaDataSource(TwoPhaseCommitSink):
         return removed
 
 
-def _referenced_paths(table: DeltaTable) -> list[str]:
-    adds = table.get_add_actions(flatten=True)
-    return [os.path.basename(p) for p in pa.table(adds).column("path").to_pylist()]
+def _commit_meta(table: DeltaTable, lineage: str, batch_id: int) -> dict | None:
+    """onceflow's commit info (fingerprint, files) of batch N of this lineage, newest first.
+
+    Looks at recent versions first and only then walks the whole remaining log.
+    """
+    for limit in (64, None):
+        for entry in table.history(limit=limit):
+            meta = entry.get("onceflow")
+            if isinstance(meta, str):
+                meta = json.loads(meta)
+            if meta and meta.get("lineage") == lineage and meta.get("batch") == batch_id:
+                return meta
+    return None
 
 
 def _compatible(a: pa.DataType, b: pa.DataType) -> bool:
@@ -282,15 +318,19 @@ def _delta_schema(arrow_schema: pa.Schema):
 class DeltaSink(Sink):
     """Exactly-once Delta Lake sink for a :class:`~onceflow.Job` (or ``writeStream``).
 
-    ``path``: table URL; ``mode``: ``append`` or ``complete``; ``sink_id`` distinguishes two
-    Delta sinks of one job writing the same table.
+    ``path``: table URL; ``mode``: ``append`` or ``complete`` (default: follow the query's
+    output mode; a mode that contradicts it is refused); ``sink_id`` distinguishes two Delta
+    sinks of one job writing the same table.
     """
 
     path: str
-    mode: str = "append"
+    mode: str | None = None
     sink_id: str = "delta"
 
     format_name = "onceflow-delta"
 
     def options(self) -> dict[str, str]:
-        return {"path": str(self.path), "mode": self.mode, "sink_id": self.sink_id}
+        opts = {"path": str(self.path), "sink_id": self.sink_id}
+        if self.mode:
+            opts["mode"] = self.mode
+        return opts
