@@ -65,7 +65,8 @@ class Decision:
     lineage: str
     batch_id: int
     fingerprint: str
-    handles: list[Any] = field(default_factory=list)
+    #: None when the sink knows the batch is decided but no longer knows its handles.
+    handles: list[Any] | None = field(default_factory=list)
 
 
 @dataclass
@@ -258,7 +259,7 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
                 )
             # Replay of a decided batch: finish it (idempotent), drop stray attempts.
             self.sink.commit(existing)
-            stray = [h for h in handles if h not in existing.handles]
+            stray = [h for h in handles if existing.handles is None or h not in existing.handles]
             if stray:
                 self.sink.abort(lineage, batchId, stray)
             self._log(ckpt, batchId, lineage, 0, True, started)
