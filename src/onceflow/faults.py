@@ -3,7 +3,9 @@
 Set ``ONCEFLOW_CRASH_AT`` (or the sink option ``test_crash_at``) to ``point[@batch][:mode]`` (comma-separated for several):
 ``point`` is one of :data:`POINTS`; ``batch`` limits it to one batch id; ``mode`` is
 ``kill`` (SIGKILL the whole driver process group: a machine crash; only for drivers started
-in their own session, as ``onceflow run`` does) or ``raise`` (the task or commit raises: an executor/task failure).
+in their own session, as ``onceflow run`` does), ``kill_executor`` (tasks only, on a cluster:
+SIGKILL the executor JVM running the task - an executor lost at that point) or ``raise`` (the
+task or commit raises: an executor/task failure).
 A point fires at most once per ``ONCEFLOW_CRASH_MARKER_DIR`` (a marker file records it),
 so the restarted driver gets past it. Unset in production; costs one dict lookup.
 """
@@ -24,6 +26,8 @@ POINTS = (
     "after_commit",  # driver: batch visible, Spark has not written commits/N
 )
 
+MODES = ("kill", "kill_executor", "raise")
+
 
 def _rules(spec: str) -> list[tuple[str, int | None, str]]:
     rules = []
@@ -37,6 +41,8 @@ def _rules(spec: str) -> list[tuple[str, int | None, str]]:
             batch = int(b)
         if item not in POINTS:
             raise ValueError(f"ONCEFLOW_CRASH_AT: unknown point {item!r}; known: {', '.join(POINTS)}")
+        if mode not in MODES:
+            raise ValueError(f"ONCEFLOW_CRASH_AT: unknown mode {mode!r}; known: {', '.join(MODES)}")
         rules.append((item, batch, mode))
     return rules
 
@@ -66,6 +72,12 @@ def maybe_crash(
             os.close(fd)
         if mode == "raise":
             raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")
+        if mode == "kill_executor":
+            executor = _executor_jvm()
+            if executor is None:
+                raise InjectedCrash(f"{point}:kill_executor fired outside an executor JVM (use local-cluster)")
+            os.kill(executor, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         # PySpark's worker daemon puts workers in their own process group, so target the
         # driver's group: named by the supervisor, else the session leader (the driver was
         # started with start_new_session, so its pid is both the session and group id).
@@ -74,3 +86,19 @@ def maybe_crash(
         pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
         os.killpg(pgid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _executor_jvm() -> int | None:
+    """The pid of the executor JVM (CoarseGrainedExecutorBackend) this process descends from."""
+    pid = os.getppid()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"CoarseGrainedExecutorBackend" in f.read():
+                    return pid
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return None
+        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+    return None

@@ -288,3 +288,47 @@ def test_sigkill_in_each_crash_window_under_the_supervisor(tmp_path):
     # Only batch 6 was decided before its kill: its replay wrote nothing; 2 and 4 were re-run.
     replays = sorted(e["batch"] for e in events if e["event"] == "sink_commit" and e["replay"])
     assert replays == [6], replays
+
+
+EXECUTOR_JOB = """
+import os
+from onceflow import Job, CheckpointConfig, DeltaSink, fixed_delay
+job = Job(
+    name="executor-loss-delta",
+    source=lambda spark: spark.readStream.format("onceflow-sequence")
+        .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 10**9)
+        .option("max_rows_per_batch", 20000).option("partitions", 4).load(),
+    sink=DeltaSink(os.environ["TABLE"]),
+    checkpoint=CheckpointConfig(os.environ["CKPT"], interval=0),
+    restart_strategy=fixed_delay(attempts=0, delay=0),
+    stop_when_idle=3.0,
+    master="local-cluster[2,1,1024]",
+    spark_conf={"spark.task.maxFailures": "8"},
+)
+"""
+
+
+@pytest.mark.slow
+def test_executor_lost_after_its_precommit(tmp_path):
+    """On local-cluster[2,1,1024] a task SIGKILLs its own executor JVM right after its Parquet
+    file became durable. Spark reruns the task elsewhere; the dead attempt's file is an orphan
+    that must never become visible, and the query itself must not fail (no restart)."""
+    total = 120_000
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    job_file = tmp_path / "job.py"
+    job_file.write_text(textwrap.dedent(EXECUTOR_JOB))
+    env = {**os.environ, "TABLE": str(tmp_path / "table"), "CKPT": str(tmp_path / "ckpt"),
+           "TOTAL": str(total), "ONCEFLOW_CRASH_AT": "after_precommit@2:kill_executor",
+           "ONCEFLOW_CRASH_MARKER_DIR": str(markers)}
+    proc = subprocess.run([sys.executable, "-m", "onceflow.runtime.driver", str(job_file)],
+                          env=env, capture_output=True, text=True, timeout=280, start_new_session=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert os.listdir(markers) == ["fired-after_precommit-2"], "the executor was never killed"
+    assert "Lost executor" in out or "ExecutorLostFailure" in out, "the executor loss went unnoticed"
+    report = check_delta_table(str(tmp_path / "table"), total)
+    assert report.ok, report
+    assert parquet_files(tmp_path / "table") == referenced(tmp_path / "table"), "orphan files left"
+    events = list(EventLog(str(tmp_path / "ckpt")).read())
+    assert not any(e["event"] == "restart" for e in events), "the query failed instead of continuing"
