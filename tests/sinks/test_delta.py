@@ -124,10 +124,52 @@ def test_complete_mode_replaces_table_each_batch(spark, tmp_path):
         return df.groupBy("key").count()
 
     job = make_job(tmp_path, total=4000, transform=counts, output_mode="complete")
-    job.sink = DeltaSink(str(tmp_path / "table"), mode="complete")
+    # A sink mode that contradicts the query's output mode is refused before anything runs.
+    job.sink = DeltaSink(str(tmp_path / "table"), mode="append")
+    with pytest.raises(ConfigError, match="does not match the query's output mode"):
+        job.run(spark=spark)
+    assert not (tmp_path / "table" / "_delta_log").exists()
+    job.sink = DeltaSink(str(tmp_path / "table"))  # the mode follows the query: complete
     job.run(spark=spark)
-    rows = DeltaTable(str(tmp_path / "table")).to_pyarrow_table().to_pylist()
+    table = DeltaTable(str(tmp_path / "table"))
+    rows = table.to_pyarrow_table().to_pylist()
     assert sorted((r["key"], r["count"]) for r in rows) == [(k, 250) for k in range(16)]
+    # Every earlier version stays readable (recovery never deletes files of older versions).
+    for v in range(table.version()):
+        DeltaTable(str(tmp_path / "table"), version=v).to_pyarrow_table()
+
+
+def test_decision_found_beyond_recent_history_and_cleanup_keeps_committed_files(tmp_path):
+    """Another writer adds many versions after a batch commits; a replay of that batch must
+    still find its decision (fingerprint and files) and must not delete its committed files."""
+    import uuid
+
+    import pyarrow.parquet as pq
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from onceflow.sinks.base import Decision
+    from onceflow.sinks.delta import DeltaDataSource
+
+    path = tmp_path / "table"
+    path.mkdir()
+    lineage = str(uuid.uuid4())
+    name = f"part-of-{lineage}-b0000000001-p00000-a0-0123456789ab.parquet"
+    data = pa.table({"id": pa.array([1, 2, 3], pa.int64())})
+    pq.write_table(data, path / name)
+    handle = {"path": name, "size": (path / name).stat().st_size, "rows": 3, "mtime": 0}
+    ds = DeltaDataSource({"path": str(path)})
+    schema = StructType([StructField("id", LongType())])
+    ds.decide(Decision(lineage, 1, "fp-1", [handle]), schema, False)
+    for i in range(210):  # more than any fixed look-back window
+        write_deltalake(str(path), pa.table({"id": pa.array([100 + i], pa.int64())}), mode="append")
+
+    found = ds.decision(lineage, 1)
+    assert found is not None and found.fingerprint == "fp-1"
+    assert found.handles == [{"path": name}]
+    ds.commit(found)
+    assert ds.recover(lineage) == {"orphans_removed": 0}
+    assert (path / name).exists()
+    assert DeltaTable(str(path)).to_pyarrow_table().num_rows == 213
 
 
 def test_bad_input_is_refused_with_nothing_written(spark, tmp_path):
