@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 from datetime import date, timedelta
 from decimal import Decimal
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -40,9 +42,15 @@ def end_offset(progress) -> int | None:
 
 
 def run_stream(spark, tmp_path, sink: PostgresSink, total=TOTAL, per_batch=PER_BATCH, partitions=2,
-               crash: str | None = None, transform=None, timeout: float = 90) -> str | None:
-    """Run until ``total`` ids are committed or the query fails; return the failure text."""
+               crash: str | None = None, transform=None, timeout: float = 90,
+               raw_dsn: str | None = None) -> str | None:
+    """Run until ``total`` ids are committed or the query fails; return the failure text.
+
+    ``raw_dsn``: pass this DSN (password included) as the plain ``dsn`` option instead of
+    the ``dsn`` + ``password`` options that ``PostgresSink.options()`` produces."""
     opts = sink.options()
+    if raw_dsn:
+        opts = {k: v for k, v in opts.items() if k != "password"} | {"dsn": raw_dsn}
     if crash:
         (tmp_path / "markers").mkdir(parents=True, exist_ok=True)
         opts |= {"test_crash_at": crash, "test_crash_markers": str(tmp_path / "markers")}
@@ -223,7 +231,8 @@ def test_crash_window(spark, pg, pg_noprepared, tmp_path, mode, point):
         pytest.skip("idempotent mode has no mid-commit window: tasks commit their own rows")
     server = server_for(mode, pg, pg_noprepared)
     sink = make_sink(server, mode)
-    err = run_stream(spark, tmp_path, sink, crash=f"{point}@1:raise")
+    raw = server.dsn if point == "after_decide" else None  # plain writeStream, password inside the dsn option
+    err = run_stream(spark, tmp_path, sink, crash=f"{point}@1:raise", raw_dsn=raw)
     assert list((tmp_path / "markers").iterdir()), "the crash point never fired"
     visible = rows(server, f"SELECT count(*) FROM {sink.table}")[0][0]
     if point in TASK_POINTS:
@@ -240,8 +249,90 @@ def test_crash_window(spark, pg, pg_noprepared, tmp_path, mode, point):
             assert (len(pending), visible) == expect[point]
         else:
             assert (len(pending), visible) == (0, 1000)  # tasks' rows are visible before any decision
-        assert run_stream(spark, tmp_path, sink) is None
+        assert run_stream(spark, tmp_path, sink, raw_dsn=raw) is None
     assert_exactly_once(server, sink.table, TOTAL, sink.sink_id)
+    for f in (tmp_path / "ckpt").rglob("*"):  # event log, offsets, metadata
+        assert not f.is_file() or server.password.encode() not in f.read_bytes(), f
+
+
+KILL_JOB = """
+import os
+from onceflow import CheckpointConfig, Job, PostgresSink, fixed_delay
+
+job = Job(
+    name="pg-kill",
+    source=lambda spark: spark.readStream.format("onceflow-sequence")
+        .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 10**9)
+        .option("max_rows_per_batch", int(os.environ["PER_BATCH"])).option("partitions", 2).load(),
+    sink=PostgresSink(os.environ["DSN"], os.environ["TABLE"], mode=os.environ["MODE"], create_table=True,
+                      sink_id=os.environ["SINK_ID"], commit_deadline=20),
+    checkpoint=CheckpointConfig(os.environ["CKPT"], interval=0),
+    restart_strategy=fixed_delay(attempts=6, delay=0),
+    stop_when_idle=2.0,
+    master="local[2]",
+)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_driver_sigkilled_in_each_window_restarts_exactly_once(pg, pg_noprepared, tmp_path):
+    """Real driver deaths: ``onceflow run`` (the supervisor) runs the job; fault points SIGKILL the
+    driver's whole process group in successive batches (two_phase: tasks pre-committed but
+    nothing decided; decided, nothing committed; one of two prepared transactions committed;
+    committed, Spark's commits/N not written). Each restart recovers on open: decided prepared
+    transactions are committed, undecided ones rolled back, and the table ends exactly-once
+    with no prepared transaction left. Both modes run side by side."""
+    import os
+    import subprocess
+    import sys
+
+    from onceflow.checkpoint.eventlog import EventLog
+
+    total, per_batch = 3000, 500
+    plans = {
+        "two_phase": (pg, ["before_decide@1", "after_decide@2", "mid_commit@3", "after_commit@4"]),
+        "idempotent": (pg_noprepared, ["before_decide@1", "after_decide@2"]),
+    }
+    procs, sinks = {}, {}
+    try:
+        for mode, (server, points) in plans.items():
+            d = tmp_path / mode
+            (d / "markers").mkdir(parents=True)
+            (d / "job.py").write_text(KILL_JOB)
+            sinks[mode] = sid = f"k{uid()}"
+            env = {
+                **os.environ, "MODE": mode, "TOTAL": str(total), "PER_BATCH": str(per_batch),
+                "DSN": server.dsn, "TABLE": f"t_{sid}", "SINK_ID": sid, "CKPT": str(d / "ckpt"),
+                "ONCEFLOW_CRASH_AT": ",".join(f"{p}:kill" for p in points),
+                "ONCEFLOW_CRASH_MARKER_DIR": str(d / "markers"),
+            }
+            with open(d / "out.log", "w") as out:
+                procs[mode] = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "onceflow"), "run", str(d / "job.py")],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+        for p in procs.values():
+            p.wait(timeout=360)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for mode, (server, points) in plans.items():
+        d, sid = tmp_path / mode, sinks[mode]
+        out = (d / "out.log").read_text()
+        assert procs[mode].returncode == 0, out[-3000:]
+        fired = sorted(f.name for f in (d / "markers").iterdir())
+        assert fired == sorted(f"fired-{p.replace('@', '-')}" for p in points)
+        restarts = [e["cause"] for e in EventLog(str(d / "ckpt")).read() if e["event"] == "restart"]
+        assert restarts == ["killed by SIGKILL"] * len(points), out[-3000:]
+        assert_exactly_once(server, f"t_{sid}", total, sid)
+        decided = decided_batches(server, sid)
+        assert decided == list(range(len(decided))) and len(decided) >= total // per_batch
+        assert rows(server, "SELECT count(*) FROM onceflow_markers WHERE sink = %s", sid) == [(0,)]
+        assert server.password not in out
+        if mode == "two_phase":  # recovery on open finished the decided batches 2 and 3
+            assert "'committed': 2" in out and "'committed': 1" in out, out[-3000:]
 
 
 def test_postgres_restart_with_prepared_transactions_pending(spark, pg_up, tmp_path):
@@ -370,6 +461,38 @@ def test_missing_table_mismatched_columns_and_upsert_keys(spark, pg):
         PostgresSink(pg.dsn, table=f"{name}_ok", write="upsert", keys=["id"]).data_source().validate(schema, False)
 
 
+def test_narrowing_and_unsupported_types_are_refused_up_front(spark, pg):
+    from pyspark.sql import types as T
+
+    name = f"t_{uid()}"
+    execute(pg, f"CREATE TABLE {name} (id bigint, n numeric(5,2), m numeric(14,2), w numeric, s varchar(3))")
+    schema = T.StructType([T.StructField("id", T.LongType()), T.StructField("n", T.DecimalType(12, 2)),
+                           T.StructField("m", T.DecimalType(12, 2)), T.StructField("w", T.DecimalType(30, 9)),
+                           T.StructField("s", T.StringType())])
+    with pytest.raises(ConfigError) as e:
+        PostgresSink(pg.dsn, table=name).data_source().validate(schema, False)
+    msg = str(e.value)
+    assert "n (stream numeric(12,2), table numeric(5,2))" in msg and "m (" not in msg and "w (" not in msg
+    assert "\n" not in msg
+    for nested in (T.ArrayType(T.LongType()), T.MapType(T.StringType(), T.LongType()),
+                   T.StructType([T.StructField("a", T.LongType())])):
+        bad = T.StructType([T.StructField("id", T.LongType()), T.StructField("x", nested)])
+        with pytest.raises(ConfigError, match=r"Spark type (array|map|struct)<.*> is not supported; cast it"):
+            PostgresSink(pg.dsn, table=f"t_{uid()}", create_table=True).data_source().validate(bad, False)
+
+
+def test_value_too_long_for_the_column_fails_clearly_and_commits_nothing(spark, pg, tmp_path):
+    """Text into varchar(3) passes validation (the stream has no lengths); a longer value
+    fails its task with a one-line error naming the table, type and column; nothing is kept."""
+    sink = make_sink(pg)
+    execute(pg, f"CREATE TABLE {sink.table} (id bigint, label varchar(3))")
+    err = run_stream(spark, tmp_path, sink, total=100, per_batch=100,
+                     transform=lambda df: df.selectExpr("id", "concat('val', id) AS label"))
+    assert err and f"does not fit table {sink.table}: value too long for type character varying(3)" in err
+    assert "column label" in err and "val99" not in err
+    assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(0,)] and prepared(pg, sink.sink_id) == []
+
+
 def test_two_phase_needs_prepared_transactions(spark, pg_noprepared):
     schema = stream_schema(spark)
     with pytest.raises(ConfigError, match="max_prepared_transactions.*idempotent"):
@@ -386,6 +509,12 @@ def test_password_is_masked_everywhere(pg):
     assert pg.password not in repr(source)
     kv = PostgresSink(f"host=127.0.0.1 port={pg.port} user=postgres password={pg.password}", table="t")
     assert pg.password not in repr(kv)
+    # malformed DSNs: libpq's parse errors quote fragments of the string
+    for bad in (f"host=h password=se {pg.password}", f"host=h password='{pg.password}",
+                f"postgresql://u:{pg.password} x@h/db x"):
+        with pytest.raises(ConfigError, match="cannot parse the DSN") as e:
+            PostgresSink(bad, table="t").options()
+        assert pg.password not in str(e.value)
 
 
 # ---- doctor -----------------------------------------------------------------------------------

@@ -68,7 +68,14 @@ def split_dsn(dsn: str) -> tuple[str, str | None]:
     try:
         params = conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as e:
-        raise ConfigError(f"{FORMAT}: cannot parse the DSN ({_scrub(str(e), dsn)})") from None
+        if re.search(r"password|://[^/@]*:[^/@]*@", dsn, re.IGNORECASE):
+            # libpq's message quotes fragments of the string, which may be pieces of the password
+            raise ConfigError(
+                f"{FORMAT}: cannot parse the DSN (details withheld: it contains a password); quote "
+                "values with spaces or quotes, e.g. password='a b\\'c', or give the password as the "
+                "'password' option"
+            ) from None
+        raise ConfigError(f"{FORMAT}: cannot parse the DSN ({str(e).strip()}); use a libpq URL or key=value string") from None
     password = params.pop("password", None)
     return make_conninfo(**{k: str(v) for k, v in params.items()}), password
 
