@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from onceflow.durations import seconds
-from onceflow.errors import ConfigError
+from onceflow.errors import ConfigError, OnceflowError
 from onceflow.runtime.restart import RestartStrategy, fixed_delay
 
 if TYPE_CHECKING:
@@ -109,4 +109,18 @@ class Job:
 
         restore = (RestoreRequest(from_savepoint, fork, rescale, allow_non_restored_state)
                    if from_savepoint else None)
-        JobRunner(self, spark=spark, stop=stop, restore=restore).run()
+        absent = False
+        if restore is not None:  # refuse a bad restore before anything is created on disk
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(self.checkpoint.directory)
+            absent = not fs.exists(path)
+            restore.check(self.checkpoint.directory, job=self, spark=spark)
+        try:
+            JobRunner(self, spark=spark, stop=stop, restore=restore).run()
+        except OnceflowError:
+            if absent:  # e.g. a checksum mismatch found while copying: leave it absent again
+                from onceflow.savepoint.restore import remove_if_only_onceflow
+
+                remove_if_only_onceflow(self.checkpoint.directory)
+            raise

@@ -46,26 +46,32 @@ def onceflow(*args: str, env: dict, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_stop_with_savepoint_then_resume_from_it(spark, tmp_path, monkeypatch):
+def wait_for_commits(ckpt: CheckpointDir, n: int, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while len(ckpt.committed_batches()) < n:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the job committed no batches"
+        time.sleep(0.3)
+
+
+def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark, tmp_path, monkeypatch):
     (tmp_path / "job.py").write_text(JOB)
     env = {**os.environ, "WORK": str(tmp_path), "TOTAL": "40000", "ONCEFLOW_SPARK_LOG_LEVEL": "ERROR"}
     ckpt = CheckpointDir(str(tmp_path / "ckpt"))
-    sup = onceflow("run", str(tmp_path / "job.py"), env=env)
+    sps = tmp_path / "sps"
+    sup = onceflow("run", str(tmp_path / "job.py"), "--savepoint-dir", str(sps), env=env)
     try:
-        deadline = time.monotonic() + 120
-        while len(ckpt.committed_batches()) < 3:
-            assert sup.poll() is None, sup.communicate()
-            assert time.monotonic() < deadline, "the job committed no batches"
-            time.sleep(0.3)
-        sp = str(tmp_path / "sp")
-        stopper = onceflow("stop", "--savepoint", sp, str(ckpt.url), env=env)
-        out, err = stopper.communicate(timeout=180)
-        assert stopper.returncode == 0, err
-        assert "stopped supervisor pid" in out and f"savepoint {sp}" in out
-        assert sup.wait(timeout=60) == 0
+        wait_for_commits(ckpt, 3, sup)
+        sup.send_signal(signal.SIGTERM)  # DESIGN.md section 7: SIGTERM stops with a savepoint
+        out, err = sup.communicate(timeout=180)
     finally:
         if sup.poll() is None:
             sup.kill()
+    assert sup.returncode == 0, err
+    (name,) = os.listdir(sps)
+    sp = str(sps / name)
+    assert name.startswith("cli-counts-") and f"savepoint {sp}: job cli-counts" in out
+    assert f"savepoint on stop: {sp}" in err  # the supervisor says where it went
     saved = json.loads(open(f"{sp}/_savepoint.json").read())
     stopped_at = saved["source_offsets"][0]["next"]
     assert 0 < stopped_at < 40000 and saved["batch"] == ckpt.last_committed()
@@ -75,7 +81,7 @@ def test_stop_with_savepoint_then_resume_from_it(spark, tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert f"source[0] = {{\"next\": {stopped_at}}}" in r.output
     assert "operator    0 applyInPandasWithState: 4 partitions" in r.output and "checksums   OK" in r.output
-    r = cli.invoke(main, ["savepoint", "list", str(tmp_path), "--json"])
+    r = cli.invoke(main, ["savepoint", "list", str(sps), "--json"])
     assert [s["batch"] for s in json.loads(r.output)] == [saved["batch"]]
     r = cli.invoke(main, ["checkpoints", str(ckpt.url), "--json", "--limit", "0"])
     batches = json.loads(r.output)
@@ -93,18 +99,43 @@ def test_stop_with_savepoint_then_resume_from_it(spark, tmp_path, monkeypatch):
     state = pq.read_table(tmp_path / "s.parquet").to_pylist()
     assert len(state) == 16 and sum(row["value"]["groupState"]["count"] for row in state) == stopped_at
 
-    # Restoring into the job's own (non-empty) checkpoint is refused before any driver starts.
+    # Refusals before any driver starts, nothing written: the job's own (non-empty) checkpoint,
+    # options without a savepoint, --rescale 0, --rescale of HDFS-backed state.
     r = cli.invoke(main, ["run", str(tmp_path / "job.py"), "--from-savepoint", sp], env=env)
     assert r.exit_code == 2 and "not empty" in r.output
     r = cli.invoke(main, ["run", str(tmp_path / "job.py"), "--fork"], env=env)
     assert r.exit_code == 2 and "need --from-savepoint" in r.output
+    for rescale, msg in (("0", "give a number of state partitions >= 1"), ("3", "needs the RocksDB state store")):
+        r = cli.invoke(main, ["run", str(tmp_path / "job.py"), "--from-savepoint", sp, "--rescale", rescale,
+                              "--checkpoint", str(tmp_path / "nowhere")], env=env)
+        assert r.exit_code == 2 and msg in r.output, r.output
+        assert not (tmp_path / "nowhere").exists()
 
-    # Resume into a new checkpoint: the sink ends exactly as after an uninterrupted run.
-    # 'onceflow run --from-savepoint SP --checkpoint C2' hands the driver exactly this
+    # Resume under 'onceflow run --from-savepoint', then 'onceflow stop --savepoint TARGET'.
+    ckpt2 = CheckpointDir(str(tmp_path / "ckpt2"))
+    sup = onceflow("run", str(tmp_path / "job.py"), "--from-savepoint", sp, "--checkpoint", ckpt2.url, env=env)
+    try:
+        wait_for_commits(ckpt2, 4, sup)  # batch N-1 and N restored, two new ones
+        sp2 = str(tmp_path / "sp2")
+        stopper = onceflow("stop", "--savepoint", "sp2", ckpt2.url, env=env, cwd=str(tmp_path))
+        out, err = stopper.communicate(timeout=180)
+        assert stopper.returncode == 0, err
+        assert f"savepoint {sp2}: job cli-counts" in out
+        assert sup.wait(timeout=60) == 0
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert ckpt2.lineage == ckpt.lineage
+    assert os.listdir(sps) == [name] and not (tmp_path / "savepoints").exists()  # only where asked
+    resumed_at = json.loads(open(f"{sp2}/_savepoint.json").read())["source_offsets"][0]["next"]
+    assert resumed_at > stopped_at
+
+    # Resume from the second savepoint: the sink ends exactly as after an uninterrupted run.
+    # 'onceflow run --from-savepoint SP --checkpoint C3' hands the driver exactly this
     # environment; the driver runs in-process here to reuse the test's JVM.
-    ckpt2 = tmp_path / "ckpt2"
-    restore = restore_env_for_run(str(ckpt2), sp, False, None, False)
-    for k, v in {**env, "TOTAL": str(stopped_at + 3000), CHECKPOINT_ENV: str(ckpt2), **restore}.items():
+    ckpt3 = tmp_path / "ckpt3"
+    restore = restore_env_for_run(str(ckpt3), sp2, False, None, False)
+    for k, v in {**env, "TOTAL": str(resumed_at + 3000), CHECKPOINT_ENV: str(ckpt3), **restore}.items():
         monkeypatch.setenv(k, v)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -112,14 +143,14 @@ def test_stop_with_savepoint_then_resume_from_it(spark, tmp_path, monkeypatch):
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    assert CheckpointDir(str(ckpt2)).lineage == ckpt.lineage
-    report = check_delta_table(str(tmp_path / "table"), stopped_at + 3000)
+    assert CheckpointDir(str(ckpt3)).lineage == ckpt.lineage
+    report = check_delta_table(str(tmp_path / "table"), resumed_at + 3000)
     assert report.ok, report
     import deltalake
 
     rows = deltalake.DeltaTable(str(tmp_path / "table")).to_pyarrow_table(columns=["id", "running_count"])
     assert sorted(zip(rows["id"].to_pylist(), rows["running_count"].to_pylist(), strict=True)) == [
-        (i, i // 16 + 1) for i in range(stopped_at + 3000)]
+        (i, i // 16 + 1) for i in range(resumed_at + 3000)]
 
 
 def test_savepoint_cli_refusals(tmp_path):
@@ -138,3 +169,26 @@ def test_savepoint_cli_refusals(tmp_path):
 def test_stop_when_nothing_runs(tmp_path, args):
     r = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
     assert r.exit_code == 0 and "not running" in r.output
+
+
+def test_stop_checks_host_and_start_time_before_signalling(tmp_path):
+    """'onceflow stop' never signals a pid it cannot prove is the job's supervisor."""
+    import socket
+
+    from onceflow.checkpoint.eventlog import EventLog
+    from onceflow.runtime.supervisor import process_start_time
+
+    ckpt = str(tmp_path / "ckpt")
+    me = os.getpid()  # a live process that is not a supervisor: SIGTERM would kill pytest
+    events = EventLog(ckpt)
+    events.append("process_start", supervisor_pid=me, host="elsewhere.example", supervisor_started=1, scope="process")
+    r = CliRunner().invoke(main, ["stop", ckpt])
+    assert r.exit_code == 2 and "supervised on host elsewhere.example" in r.output and "run 'onceflow stop' there" in r.output
+    events.append("process_start", supervisor_pid=me, host=socket.gethostname(),
+                  supervisor_started=process_start_time(me) - 1, scope="process")  # pid reused
+    r = CliRunner().invoke(main, ["stop", ckpt])
+    assert r.exit_code == 0 and "not running" in r.output
+    events.append("process_start", supervisor_pid=me, scope="process")  # older log: no host
+    r = CliRunner().invoke(main, ["stop", ckpt])
+    assert r.exit_code == 0 and "not running" in r.output
+    assert not (tmp_path / "ckpt" / "_onceflow" / "stop_request.json").exists()

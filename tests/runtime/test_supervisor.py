@@ -3,8 +3,9 @@
 A small Python script stands in for the driver. It appends one JSON line per start to
 ``starts.jsonl`` and then acts according to ``PLAN`` (one action per start, the last one
 repeats): ``ok`` exit 0; ``kill`` SIGKILL itself; ``crash`` exit 1; ``config`` exit 2;
-``wait`` run until SIGTERM then exit 0; ``stubborn`` ignore SIGTERM; ``orphan`` start a
-grandchild in its group, then SIGKILL itself.
+``wait`` run until SIGTERM then exit 0; ``failstop`` run until SIGTERM then exit 4 (a stop
+whose savepoint failed); ``stubborn`` ignore SIGTERM; ``orphan`` start a grandchild in its
+group, then SIGKILL itself.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -52,11 +54,13 @@ CHILD = textwrap.dedent(
         g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         open(os.path.join(here, "grandchild.pid"), "w").write(str(g.pid))
         os.kill(os.getpid(), signal.SIGKILL)
-    if action in ("wait", "stubborn"):
+    if action in ("wait", "stubborn", "failstop"):
         def on_term(signum, frame):
             open(os.path.join(here, "sigterm"), "w").write("got SIGTERM")
             if action == "wait":
                 sys.exit(0)
+            if action == "failstop":
+                sys.exit(4)
         signal.signal(signal.SIGTERM, on_term)
         open(os.path.join(here, "ready"), "w").write("ready")
         while True:
@@ -201,6 +205,18 @@ def test_sigterm_to_supervisor_stops_the_driver_gracefully(tmp_path, child):
     ev = events(tmp_path)
     assert [e["event"] for e in ev] == ["process_start", "stop"]
     assert ev[-1]["signal"] == "SIGTERM" and ev[-1]["exit_code"] == 0 and not ev[-1]["forced"]
+    # What 'onceflow stop' checks before signalling: this host, this supervisor's start time.
+    assert ev[0]["host"] == socket.gethostname() and ev[0]["supervisor_pid"] == sup.pid
+    assert isinstance(ev[0]["supervisor_started"], int)
+
+
+def test_a_failed_stop_is_the_supervisors_exit_code(tmp_path, child):
+    sup = _spawn_supervisor(tmp_path, child, "failstop", stop_timeout=20)
+    wait_for(tmp_path / "ready")
+    sup.send_signal(signal.SIGTERM)
+    _, err = sup.communicate(timeout=20)
+    assert sup.returncode == 4, err  # not 0: the stop (e.g. its savepoint) failed
+    assert events(tmp_path)[-1]["exit_code"] == 4 and "exited with code 4 while stopping" in err
 
 
 def test_driver_ignoring_sigterm_is_killed_after_the_stop_timeout(tmp_path, child):
@@ -209,7 +225,7 @@ def test_driver_ignoring_sigterm_is_killed_after_the_stop_timeout(tmp_path, chil
     t0 = time.monotonic()
     sup.send_signal(signal.SIGINT)
     _, err = sup.communicate(timeout=20)
-    assert sup.returncode == 0, err
+    assert sup.returncode == 128 + signal.SIGKILL, err  # a stop that had to kill is no clean stop
     assert time.monotonic() - t0 >= 0.5
     assert (tmp_path / "sigterm").exists()  # it was asked first
     assert events(tmp_path)[-1]["exit_code"] == -signal.SIGKILL

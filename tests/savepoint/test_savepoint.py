@@ -3,7 +3,8 @@
 The job is the demo's stateful running count (applyInPandasWithState): each event id is
 written with its key's running count, so the sink's exact expected contents are known:
 id i (key i % 16) has running_count i // 16 + 1 — whatever stops, savepoints and restores
-happened in between. One checkpoint history is built once per module and shared.
+happened in between. One checkpoint history per state backend is built once per module and
+shared; resume and roll back run on both backends, the rest on the HDFS-backed one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
+from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.demo.job import transform as running_count
 from onceflow.errors import OnceflowError
@@ -47,11 +49,12 @@ def seq(total: int, per_batch: int = 1000):
     return source
 
 
-def counting_job(ckpt, table, total, backend="hashmap", transform=running_count, name="counts") -> Job:
+def counting_job(ckpt, table, total, backend="hashmap", transform=running_count, name="counts",
+                 conf=None) -> Job:
     return Job(
         name=name, source=seq(total), transform=transform, sink=DeltaSink(str(table)),
         checkpoint=CheckpointConfig(str(ckpt), interval=0, state_backend=backend),
-        restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=0.5,
+        restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=0.5, spark_conf=conf or {},
     )
 
 
@@ -77,17 +80,31 @@ def tree(path) -> list[str]:
     return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
 
 
+_HISTORIES: dict[str, dict] = {}
+
+
+def _history(spark, tmp_path_factory, backend: str) -> dict:
+    """ckpt ran to 2000 ids -> sp1; then on to 4000 ids -> sp2 (1000 ids per batch)."""
+    if backend not in _HISTORIES:
+        base = tmp_path_factory.mktemp(f"history-{backend}")
+        ckpt, table = base / "ckpt", base / "table"
+        counting_job(ckpt, table, 2000, backend).run(spark=spark)
+        sp1, m1 = create_savepoint(str(ckpt), str(base / "sp1"))
+        counting_job(ckpt, table, 4000, backend).run(spark=spark)
+        sp2, m2 = create_savepoint(str(ckpt))  # default target: ../savepoints/sp-<batch>-<time>
+        _HISTORIES[backend] = {"base": base, "ckpt": ckpt, "table": table, "sp1": sp1, "sp2": sp2, "m1": m1,
+                               "m2": m2, "lineage": CheckpointDir(str(ckpt)).lineage, "backend": backend}
+    return _HISTORIES[backend]
+
+
 @pytest.fixture(scope="module")
 def history(spark, tmp_path_factory):
-    """ckpt ran to 2000 ids -> sp1; then on to 4000 ids -> sp2 (1000 ids per batch)."""
-    base = tmp_path_factory.mktemp("history")
-    ckpt, table = base / "ckpt", base / "table"
-    counting_job(ckpt, table, 2000).run(spark=spark)
-    sp1, m1 = create_savepoint(str(ckpt), str(base / "sp1"))
-    counting_job(ckpt, table, 4000).run(spark=spark)
-    sp2, m2 = create_savepoint(str(ckpt))  # default target: ../savepoints/sp-<batch>-<time>
-    return {"base": base, "ckpt": ckpt, "table": table, "sp1": sp1, "sp2": sp2, "m1": m1, "m2": m2,
-            "lineage": CheckpointDir(str(ckpt)).lineage}
+    return _history(spark, tmp_path_factory, "hashmap")
+
+
+@pytest.fixture(scope="module", params=["hashmap", "rocksdb"])
+def any_history(spark, tmp_path_factory, request):
+    return _history(spark, tmp_path_factory, request.param)
 
 
 def test_savepoint_format(history):
@@ -114,30 +131,32 @@ def test_savepoint_format(history):
     assert listed == [history["sp2"]]
 
 
-def test_resume_from_relocated_savepoint_equals_uninterrupted_run(spark, history, tmp_path):
+def test_resume_from_relocated_savepoint_equals_uninterrupted_run(spark, any_history, tmp_path):
+    history = any_history
     moved = tmp_path / "elsewhere" / "sp"
     shutil.copytree(history["sp2"], moved)  # a savepoint is relocatable
     table = tmp_path / "table"
     shutil.copytree(history["table"], table)  # the sink as the original job left it
     ckpt = tmp_path / "ckpt"
-    counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=str(moved))
+    counting_job(ckpt, table, 6000, history["backend"]).run(spark=spark, from_savepoint=str(moved))
     assert CheckpointDir(str(ckpt)).lineage == history["lineage"]  # resume keeps the lineage
     assert rows_by_lineage(table) == {history["lineage"]: expected(0, 6000)}
     b = history["m2"].batch
     assert CheckpointDir(str(ckpt)).committed_batches() == [b - 1, b, b + 1, b + 2]  # 2 new batches
 
 
-def test_roll_back_needs_fork_then_replays_under_a_new_lineage(spark, history, tmp_path):
+def test_roll_back_needs_fork_then_replays_under_a_new_lineage(spark, any_history, tmp_path):
+    history = any_history
     table = tmp_path / "table"
     shutil.copytree(history["table"], table)
     before = tree(table)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(OnceflowError, match=r"roll back.*--fork"):
-        counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=history["sp1"])
+        counting_job(ckpt, table, 6000, history["backend"]).run(spark=spark, from_savepoint=history["sp1"])
     assert tree(table) == before
-    assert [p for p in tree(ckpt) if not p.startswith("_onceflow")] == []  # nothing restored
+    assert not ckpt.exists()  # nothing changed on disk
 
-    counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=history["sp1"], fork=True)
+    counting_job(ckpt, table, 6000, history["backend"]).run(spark=spark, from_savepoint=history["sp1"], fork=True)
     new = CheckpointDir(str(ckpt)).lineage
     assert new != history["lineage"]
     # The old lineage's rows stay; the fork replays from sp1's offsets (id 2000) on.
@@ -146,12 +165,20 @@ def test_roll_back_needs_fork_then_replays_under_a_new_lineage(spark, history, t
     assert any(e["event"] == "restore" and e["mode"] == "rollback" for e in events)
 
 
-def test_fork_of_latest_savepoint_is_a_new_writer(spark, history, tmp_path):
+def test_fork_runs_as_a_new_writer_and_leaves_the_original_untouched(spark, history, tmp_path):
+    table = tmp_path / "table"
+    shutil.copytree(history["table"], table)
+    original = tree(history["ckpt"])
     ckpt = tmp_path / "ckpt"
-    result = RestoreRequest(history["sp2"], fork=True).apply(
-        str(ckpt), job=counting_job(ckpt, history["table"], 4000), spark=spark)
-    assert result.mode == "fork" and result.lineage != history["lineage"]
-    assert CheckpointDir(str(ckpt)).lineage == result.lineage
+    counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=history["sp2"], fork=True)
+    fork = CheckpointDir(str(ckpt)).lineage
+    assert fork != history["lineage"]
+    assert tree(history["ckpt"]) == original  # the original job's checkpoint: not touched
+    # Both writers' rows side by side: the original's up to its savepoint, the fork's after it.
+    assert rows_by_lineage(table) == {history["lineage"]: expected(0, 4000), fork: expected(4000, 6000)}
+    restores = [e for e in EventLog(str(ckpt)).read() if e["event"] == "restore"]
+    assert [(e["mode"], e["savepoint_lineage"], e["lineage"]) for e in restores] == [
+        ("fork", history["lineage"], fork)]
     # Without fork the same savepoint resumes (the sink holds nothing after batch 3).
     again = RestoreRequest(history["sp2"]).apply(str(tmp_path / "c2"),
                                                   job=counting_job(tmp_path / "c2", history["table"], 4000),
@@ -159,19 +186,45 @@ def test_fork_of_latest_savepoint_is_a_new_writer(spark, history, tmp_path):
     assert again.mode == "resume" and again.lineage == history["lineage"]
 
 
-def test_rescale_rocksdb_keeps_every_count(spark, tmp_path):
-    ckpt, table = tmp_path / "ckpt", tmp_path / "table"
-    counting_job(ckpt, table, 2000, backend="rocksdb").run(spark=spark)
+def test_rescale_rocksdb_2_to_4_to_3_keeps_every_count(spark, tmp_path):
+    shuffle = spark.conf.get("spark.sql.shuffle.partitions")
+    try:
+        ckpt, table = tmp_path / "ckpt", tmp_path / "table"
+        counting_job(ckpt, table, 2000, backend="rocksdb", conf={"spark.sql.shuffle.partitions": "2"}).run(spark=spark)
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", shuffle)  # the session is shared
     sp, manifest = create_savepoint(str(ckpt), str(tmp_path / "sp"))
-    assert "RocksDB" in manifest.state_provider
+    assert "RocksDB" in manifest.state_provider and manifest.operators[0].partitions == 2
     assert any(f.path.endswith(".sst") or f.path.endswith(".changelog") for f in manifest.files)
-    ckpt2 = tmp_path / "ckpt2"
-    counting_job(ckpt2, table, 4000, backend="rocksdb").run(spark=spark, from_savepoint=sp, rescale=3)
-    c2 = CheckpointDir(str(ckpt2))
-    last = c2.offsets(c2.last_committed())
-    assert last.metadata["conf"]["spark.sql.shuffle.partitions"] == "3"
-    assert c2.lineage == manifest.lineage
-    assert rows_by_lineage(table) == {manifest.lineage: expected(0, 4000)}
+    for n, (src, total) in enumerate([(sp, 4000), (None, 6000)]):
+        parts = (4, 3)[n]
+        if src is None:  # the 4-partition job, stopped, saved again
+            src, m = create_savepoint(str(tmp_path / "ckpt4"), str(tmp_path / "sp4"))
+            assert m.operators[0].partitions == 4 and m.lineage == manifest.lineage
+        c = tmp_path / f"ckpt{parts}"
+        counting_job(c, table, total, backend="rocksdb").run(spark=spark, from_savepoint=src, rescale=parts)
+        cd = CheckpointDir(str(c))
+        assert cd.offsets(cd.last_committed()).metadata["conf"]["spark.sql.shuffle.partitions"] == str(parts)
+        assert cd.lineage == manifest.lineage
+        assert rows_by_lineage(table) == {manifest.lineage: expected(0, total)}
+
+
+def test_a_planned_batch_the_sink_already_decided_is_replayed_not_a_roll_back(spark, history, tmp_path):
+    """A stop that interrupts batch N+1 after the sink decided it, before Spark's commits/N+1:
+    the savepoint (last committed N) keeps offsets/N+1 and a plain resume replays N+1 from them."""
+    ckpt, table = tmp_path / "ckpt", tmp_path / "table"
+    shutil.copytree(history["ckpt"], ckpt)
+    shutil.copytree(history["table"], table)
+    last = history["m2"].batch
+    os.remove(ckpt / "commits" / str(last))  # the sink holds batch `last`; Spark has no commit
+    sp, m = create_savepoint(str(ckpt), str(tmp_path / "sp"))
+    assert (m.batch, m.planned_batch) == (last - 1, last)
+    assert f"checkpoint/offsets/{last}" in {f.path for f in m.files}
+    c2 = tmp_path / "c2"
+    counting_job(c2, table, 6000).run(spark=spark, from_savepoint=sp)  # not refused as a roll back
+    assert rows_by_lineage(table) == {history["lineage"]: expected(0, 6000)}
+    replays = [e for e in EventLog(str(c2)).read() if e["event"] == "sink_commit" and e.get("replay")]
+    assert [e["batch"] for e in replays] == [last]
 
 
 # ---- bad input: clear errors, nothing changed on disk --------------------------------------
@@ -195,20 +248,26 @@ def _damaged_copy(src, dst, how: str) -> str:
 
 @pytest.mark.parametrize("how,msg", [("missing", "is missing"), ("truncated", "bytes, the manifest says"),
                                      ("tampered", "SHA-256 does not match")])
-def test_damaged_savepoint_is_refused_naming_the_file(history, tmp_path, how, msg):
+def test_damaged_savepoint_is_refused_naming_the_file(spark, history, tmp_path, how, msg):
     name = _damaged_copy(history["sp2"], tmp_path / "sp", how)
     target = tmp_path / "ckpt"
     with pytest.raises(SavepointError, match=re.escape(name) + ".*" if how != "tampered" else re.escape(name)) as e:
         RestoreRequest(str(tmp_path / "sp")).apply(str(target))
     assert msg in str(e.value)
     assert not target.exists()
+    if how == "tampered":  # found while copying, through job.run (lease, event log): still absent
+        with pytest.raises(SavepointError, match=re.escape(name)):
+            counting_job(target, tmp_path / "t", 10).run(spark=spark, from_savepoint=str(tmp_path / "sp"))
+        assert not target.exists() and not (tmp_path / "t").exists()
     assert not inspect_savepoint(str(tmp_path / "sp")).ok
 
 
-def test_restore_into_non_empty_checkpoint_is_refused(history):
+def test_restore_into_non_empty_checkpoint_is_refused(spark, history):
     before = tree(history["ckpt"])
     with pytest.raises(SavepointError, match="not empty"):
         RestoreRequest(history["sp2"]).apply(str(history["ckpt"]))
+    with pytest.raises(SavepointError, match="not empty"):
+        counting_job(history["ckpt"], history["table"], 10).run(spark=spark, from_savepoint=history["sp2"])
     assert tree(history["ckpt"]) == before
 
 
@@ -220,17 +279,17 @@ def test_savepoint_of_a_different_job_is_refused(spark, history, tmp_path):
             .selectExpr("key AS id", "running_count")
 
     with pytest.raises(SavepointError, match="operator 0 is StateStoreSave.*applyInPandasWithState"):
-        RestoreRequest(history["sp2"]).apply(str(target), job=counting_job(target, tmp_path / "t", 10, transform=other),
-                                             spark=spark)
+        counting_job(target, tmp_path / "t", 10, transform=other).run(spark=spark, from_savepoint=history["sp2"])
     stateless = counting_job(target, tmp_path / "t", 10, transform=lambda df: df)
     with pytest.raises(SavepointError, match="--allow-non-restored-state"):
         RestoreRequest(history["sp2"]).apply(str(target), job=stateless, spark=spark)
     with pytest.raises(SavepointError, match="stateless"):
-        RestoreRequest(history["sp2"], rescale=3).apply(str(target), job=stateless, spark=spark)
+        stateless.run(spark=spark, from_savepoint=history["sp2"], rescale=3, allow_non_restored_state=True)
     with pytest.raises(SavepointError, match="RocksDB"):
-        RestoreRequest(history["sp2"], rescale=3).apply(str(target), job=counting_job(target, tmp_path / "t", 10),
-                                                        spark=spark)
-    assert not target.exists()
+        counting_job(target, tmp_path / "t", 10).run(spark=spark, from_savepoint=history["sp2"], rescale=3)
+    with pytest.raises(SavepointError, match="--rescale 0: give a number"):
+        counting_job(target, tmp_path / "t", 10).run(spark=spark, from_savepoint=history["sp2"], rescale=0)
+    assert not target.exists() and not (tmp_path / "t").exists()  # nothing changed on disk
     # Flink's --allow-non-restored-state: the stateless job starts from the offsets, no state.
     result = RestoreRequest(history["sp2"], allow_non_restored_state=True).apply(
         str(target), job=stateless, spark=spark)

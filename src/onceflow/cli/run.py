@@ -7,11 +7,20 @@ import os
 import sys
 
 import click
+from fsspec.core import url_to_fs
 
+from onceflow.checkpoint.eventlog import EVENTS_DIR
 from onceflow.cli.savepoint import restore_env_for_run, restore_options
 from onceflow.errors import OnceflowError
+from onceflow.runtime.driver import EXIT_CONFIG
 from onceflow.runtime.restart import parse
-from onceflow.runtime.supervisor import CHECKPOINT_ENV, RESTART_STRATEGY_ENV, Supervisor
+from onceflow.runtime.supervisor import (
+    CHECKPOINT_ENV,
+    RESTART_STRATEGY_ENV,
+    Supervisor,
+    apply_overrides,
+)
+from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV, SAVEPOINT_ON_STOP_ENV
 
 
 @click.command("run")
@@ -25,14 +34,20 @@ from onceflow.runtime.supervisor import CHECKPOINT_ENV, RESTART_STRATEGY_ENV, Su
 @click.option("--checkpoint", "checkpoint_url", metavar="URL",
               help="Override the job's checkpoint directory (any fsspec URL).")
 @restore_options  # --from-savepoint SP, --fork, --rescale N, --allow-non-restored-state
+@click.option("--savepoint-dir", metavar="URL",
+              help="Where SIGTERM/Ctrl-C put the savepoint on stop (default: CHECKPOINT/../savepoints).")
+@click.option("--no-savepoint-on-stop", is_flag=True,
+              help="SIGTERM/Ctrl-C only stop; no savepoint is taken.")
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
-        **restore) -> None:
+        savepoint_dir: str | None, no_savepoint_on_stop: bool, **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
     process; both follow the same strategy and are logged with their cause. SIGTERM or
-    Ctrl-C stops after the in-flight batch (Ctrl-C twice kills at once).
+    Ctrl-C stops with a savepoint: the in-flight batch finishes, the query stops, a savepoint
+    of the last committed batch is written to --savepoint-dir/<job>-<batch>-<time> and its
+    path printed (Ctrl-C twice kills at once, no savepoint). Exit code 0 only if that worked.
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -45,7 +60,15 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
         job = load_job(target)
         strategy = override or job.restart_strategy
         url = checkpoint_url or job.checkpoint.directory
-        env.update(restore_env_for_run(url, **restore))  # restored by the driver before its query
+        if not restore.get("from_savepoint"):  # a restore checks its (empty) target itself
+            from onceflow.runtime.runner import check_checkpoint_dir
+
+            check_checkpoint_dir(url)  # unwritable: one line now, not a traceback later
+        if checkpoint_url:
+            job = apply_overrides(job, {CHECKPOINT_ENV: checkpoint_url})
+        env.update(restore_env_for_run(url, **restore, job=job))  # restored by the driver before its query
+        if savepoint_dir and no_savepoint_on_stop:
+            raise OnceflowError("--savepoint-dir and --no-savepoint-on-stop contradict each other; give one")
     except OnceflowError as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(2)
@@ -53,4 +76,25 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
         env[RESTART_STRATEGY_ENV] = strategy.describe()
     if checkpoint_url:
         env[CHECKPOINT_ENV] = checkpoint_url
-    ctx.exit(Supervisor(target, strategy, url, env=env).run())
+    env[SAVEPOINT_ON_STOP_ENV] = "0" if no_savepoint_on_stop else "1"
+    if savepoint_dir:
+        env[SAVEPOINT_DIR_ENV] = savepoint_dir if "://" in savepoint_dir else os.path.abspath(savepoint_dir)
+    fs, path = url_to_fs(url)
+    absent = not fs.exists(path)
+    rc = Supervisor(target, strategy, url, env=env).run()
+    if restore.get("from_savepoint") and rc == EXIT_CONFIG and absent:
+        _remove_if_untouched(fs, path, url)
+    ctx.exit(rc)
+
+
+def _remove_if_untouched(fs, path: str, url: str) -> None:
+    """A refused restore into an absent checkpoint directory leaves it absent: remove what
+    this run created there if it holds only onceflow's own ``_onceflow/`` (event log)."""
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
+    except FileNotFoundError:
+        return
+    if set(names) <= {EVENTS_DIR}:
+        fs.rm(path, recursive=True)
+        logging.getLogger("onceflow.supervisor").info(
+            "the restore was refused; removed %s, which this run had created", url)

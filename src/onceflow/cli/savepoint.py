@@ -146,20 +146,22 @@ def dispose(sp: str) -> None:
 @click.command("stop")
 @click.argument("checkpoint_dir")
 @click.option("--savepoint", "target", metavar="TARGET", is_flag=False, flag_value="",
-              default=None, help="Take a savepoint after the stop (TARGET optional: default "
-              "CHECKPOINT_DIR/../savepoints/sp-<batch>-<time>).")
+              default=None, help="Stop with a savepoint at TARGET (TARGET optional: default "
+              "the job's --savepoint-dir/<job>-<batch>-<time>, or CHECKPOINT_DIR/../savepoints).")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait for the stop.")
 def stop(checkpoint_dir: str, target: str | None, timeout: float) -> None:
-    """Stop the job running on CHECKPOINT_DIR after its in-flight batch, optionally with a savepoint."""
-    from onceflow.savepoint.create import create_savepoint
-    from onceflow.savepoint.operations import stop_job
+    """Stop the job running on CHECKPOINT_DIR after its in-flight batch; with --savepoint, the
+    driver takes a savepoint of the last committed batch as it stops. Without it, no
+    savepoint is taken (unlike a plain SIGTERM to 'onceflow run')."""
+    from onceflow.savepoint.operations import stop_job, stop_with_savepoint
 
     _logging()
-    what = stop_job(checkpoint_dir, timeout)
-    click.echo(f"stopped {what}")
-    if target is not None:
-        url, m = create_savepoint(checkpoint_dir, target or None)
-        click.echo(f"savepoint {url}: job {m.job}, batch {m.batch}, {len(m.files)} files, {_size(m.total_bytes)}")
+    if target is None:
+        click.echo(f"stopped {stop_job(checkpoint_dir, timeout)}")
+        return
+    url, m = stop_with_savepoint(checkpoint_dir, target or None, timeout)
+    click.echo("stopped")
+    click.echo(f"savepoint {url}: job {m.job}, batch {m.batch}, {len(m.files)} files, {_size(m.total_bytes)}")
 
 
 # ---- onceflow run --from-savepoint ... -----------------------------------------------------
@@ -179,13 +181,17 @@ def restore_options(f):
 
 
 def restore_env_for_run(checkpoint_url: str, from_savepoint: str | None, fork: bool,
-                        rescale: int | None, allow_non_restored_state: bool) -> dict[str, str]:
-    """Validate the options cheaply (no Spark) and return the driver's environment additions."""
-    from onceflow.savepoint.restore import precheck, restore_env
+                        rescale: int | None, allow_non_restored_state: bool, job=None) -> dict[str, str]:
+    """Validate the options without Spark and without writing anything (manifest, files,
+    empty target, --rescale, and with ``job`` the roll back check against its sink), and
+    return the driver's environment additions. The driver checks the operators."""
+    from onceflow.savepoint.restore import RestoreRequest, restore_env
 
     if not from_savepoint:
         if fork or rescale is not None or allow_non_restored_state:
             raise SavepointError("--fork, --rescale and --allow-non-restored-state need --from-savepoint SP")
         return {}
-    precheck(from_savepoint, checkpoint_url)
+    if rescale is not None and rescale < 1:
+        raise SavepointError(f"--rescale {rescale}: give a number of state partitions >= 1")
+    RestoreRequest(from_savepoint, fork, rescale, allow_non_restored_state).check(checkpoint_url, job=job)
     return restore_env(from_savepoint, fork, rescale, allow_non_restored_state)

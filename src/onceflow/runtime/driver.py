@@ -2,8 +2,15 @@
 
 Exit codes (read by the supervisor): 0 finished or stopped on request; 2 configuration or
 user error (do not restart); 3 the in-process restart strategy gave up (do not restart);
-anything else, or death by a signal, is a crash (restart per strategy).
-SIGTERM/SIGINT stop gracefully: the in-flight batch finishes (or is rolled back), then exit 0.
+4 stopped on request but the savepoint could not be taken; anything else, or death by a
+signal, is a crash (restart per strategy).
+
+SIGTERM/SIGINT stop with a savepoint (DESIGN.md section 7): the in-flight batch finishes (or,
+if it was only planned, is left to be replayed), the query stops, the lease is released,
+then a savepoint of the last committed batch is taken (see
+:func:`onceflow.savepoint.operations.savepoint_on_stop` for where it goes and how
+``onceflow stop`` / ``onceflow run --no-savepoint-on-stop`` change that); its path is printed
+and logged as a ``savepoint`` event with ``reason="stop"``.
 """
 
 from __future__ import annotations
@@ -13,10 +20,11 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from onceflow.errors import OnceflowError
 
-EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP = 0, 2, 3
+EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED = 0, 2, 3, 4
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    started = time.time()
     try:
         from onceflow.savepoint.restore import restore_options_from_env
 
@@ -50,6 +59,25 @@ def main(argv: list[str] | None = None) -> int:
     except OnceflowError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    if stop.is_set():
+        return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
+    return EXIT_OK
+
+
+def _savepoint_on_stop(checkpoint_url: str, job_name: str, started: float) -> int:
+    from onceflow.savepoint.operations import savepoint_on_stop
+
+    try:
+        taken = savepoint_on_stop(checkpoint_url, job_name, started)
+    except Exception as e:  # noqa: BLE001 - any failure: the stop did not do what was asked
+        print(f"error: stopped, but the savepoint on stop failed: {e}; the checkpoint "
+              f"{checkpoint_url} is intact: take one with 'onceflow savepoint create "
+              f"{checkpoint_url}'", file=sys.stderr)
+        return EXIT_SAVEPOINT_FAILED
+    if taken:
+        url, m = taken
+        logging.getLogger("onceflow.driver").info("savepoint on stop: %s (batch %d)", url, m.batch)
+        print(f"savepoint {url}: job {m.job}, batch {m.batch}, {len(m.files)} files", flush=True)
     return EXIT_OK
 
 

@@ -201,7 +201,7 @@ class JobRunner:
                 idle_since = None
             else:
                 active_since = None
-                if not status.get("isDataAvailable") and seen >= 0:
+                if not status.get("isDataAvailable") and (seen >= 0 or query.lastProgress is not None):
                     idle_since = idle_since or now
                 else:
                     idle_since = None
@@ -220,10 +220,13 @@ class JobRunner:
                 return
 
     def _record_progress(self, query, seen: int) -> tuple[int, bool]:
+        """Log each executed batch once. Spark's idle reports ("no data", no ``addBatch``) carry
+        the id of the batch that has not run yet; they are skipped so that batch's real figures
+        are logged when it runs."""
         new = False
         for p in query.recentProgress:
             batch = p.batchId
-            if batch <= seen:
+            if batch <= seen or "addBatch" not in (p.durationMs or {}):
                 continue
             new = True
             seen = batch

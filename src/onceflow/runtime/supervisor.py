@@ -6,16 +6,21 @@ with ``ONCEFLOW_DRIVER_PGID`` set to that group, and reads the exit:
 * 0: finished or stopped on request -> return 0;
 * 2: configuration or user error (the driver printed it) -> return 2, no restart;
 * 3: the driver's in-process restart strategy gave up -> return 3, no restart;
+* 4: the driver was stopped on request but its savepoint failed -> return 4, no restart;
 * anything else, or death by a signal (kill -9, OOM killer): a crash -> the restart strategy
   decides; when it gives up -> return 3.
 
 Guarantees: at most one driver group runs at a time (after the driver dies, whatever is left
 of its process group, the Spark JVM and Python workers, is SIGKILLed, and the supervisor
 waits for it to go before the next start); SIGTERM or SIGINT is forwarded to the driver as
-SIGTERM (it finishes or rolls back the in-flight batch), the supervisor waits up to
-``stop_timeout`` then SIGKILLs the group, and returns 0; a second SIGINT kills at once
-(returns 130). Every start, restart, give-up and stop is appended to the checkpoint's event
-log (``process_start``, ``restart``, ``gave_up``, ``stop``, all with ``scope="process"``).
+SIGTERM (it finishes the in-flight batch, then takes a savepoint unless disabled, see
+:mod:`onceflow.runtime.driver`), the supervisor waits up to ``stop_timeout`` then SIGKILLs
+the group. The exit code of a stop is the driver's: 0 stopped cleanly (savepoint taken when
+asked), the driver's own non-zero code when it failed while stopping (e.g. 4: the savepoint
+failed), 128+N when it had to be killed by signal N after ``stop_timeout``; a second SIGINT
+kills at once (returns 130). Every start, restart, give-up and stop is appended to the
+checkpoint's event log (``process_start`` with host, supervisor pid and its start time,
+``restart``, ``gave_up``, ``stop``, all with ``scope="process"``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +39,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.runtime.driver import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK
+from onceflow.runtime.driver import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK, EXIT_SAVEPOINT_FAILED
 from onceflow.runtime.restart import RestartStrategy, parse
 
 if TYPE_CHECKING:
@@ -79,6 +85,17 @@ def group_members(pgid: int) -> list[int] | None:
     return pids
 
 
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None when
+    unknown. Together with the host it tells a live process from a reused pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def apply_overrides(job: Job, environ: Mapping[str, str] | None = None) -> Job:
     """Apply the ``onceflow run`` overrides found in ``environ`` to ``job`` (for the driver)."""
     environ = os.environ if environ is None else environ
@@ -118,6 +135,7 @@ class Supervisor:
         self._proc: subprocess.Popen | None = None
         self._proc_done = False  # the driver has exited (its pid may be reaped any moment)
         self._stop_signal: str | None = None
+        self._stop_ts = 0.0
         self._stop_deadline = float("inf")
         self._force = False
 
@@ -144,11 +162,13 @@ class Supervisor:
                     log.info("driver finished (exit 0)")
                     self.events.append("stop", reason="finished", exit_code=rc, scope="process")
                     return EXIT_OK
-                if rc in (EXIT_CONFIG, EXIT_GAVE_UP):
-                    why = ("a configuration or user error" if rc == EXIT_CONFIG
-                           else "its in-process restart strategy gave up")
+                if rc in (EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED):
+                    why = {EXIT_CONFIG: "a configuration or user error",
+                           EXIT_GAVE_UP: "its in-process restart strategy gave up",
+                           EXIT_SAVEPOINT_FAILED: "it was stopped but its savepoint failed"}[rc]
                     log.error("driver exited with code %d (%s, see its message above); not restarting", rc, why)
-                    reason = "config_error" if rc == EXIT_CONFIG else "gave_up_in_process"
+                    reason = {EXIT_CONFIG: "config_error", EXIT_GAVE_UP: "gave_up_in_process",
+                              EXIT_SAVEPOINT_FAILED: "savepoint_failed"}[rc]
                     self.events.append("stop", reason=reason, exit_code=rc, scope="process")
                     return rc
                 cause = describe_exit(rc)
@@ -173,8 +193,9 @@ class Supervisor:
         started = time.monotonic()
         self._proc, self._proc_done = proc, False
         log.info("driver started: pid %d, attempt %d: %s", proc.pid, attempt, " ".join(cmd))
-        self.events.append("process_start", attempt=attempt, pid=proc.pid,
-                           supervisor_pid=os.getpid(), scope="process")
+        self.events.append("process_start", attempt=attempt, pid=proc.pid, host=socket.gethostname(),
+                           supervisor_pid=os.getpid(), supervisor_started=process_start_time(os.getpid()),
+                           scope="process")
         if self._stop_signal is not None:  # a stop arrived while starting
             self._forward_stop()
         return proc, started
@@ -232,12 +253,19 @@ class Supervisor:
         if rc is None:
             log.info("stopped (%s) while waiting to restart", self._stop_signal)
         elif rc == EXIT_OK:
-            log.info("driver stopped cleanly (%s)", self._stop_signal)
+            taken = [e.get("path") for e in self.events.read() if e.get("event") == "savepoint"
+                     and e.get("reason") == "stop" and float(e.get("ts", 0)) >= self._stop_ts]
+            log.info("driver stopped cleanly (%s)%s", self._stop_signal,
+                     f"; savepoint on stop: {taken[-1]}" if taken else "")
         else:
             log.warning("driver %s while stopping (%s)", describe_exit(rc), self._stop_signal)
         self.events.append("stop", reason="signal", signal=self._stop_signal, exit_code=rc,
                            forced=self._force, scope="process")
-        return EXIT_FORCED if self._force else EXIT_OK
+        if self._force:
+            return EXIT_FORCED
+        if rc is None or rc == EXIT_OK:
+            return EXIT_OK
+        return rc if rc > 0 else 128 - rc  # killed by signal N after the stop timeout: 128+N
 
     # ---- signals -------------------------------------------------------------------------
 
@@ -257,6 +285,7 @@ class Supervisor:
         name = signal.Signals(signum).name
         if self._stop_signal is None:
             self._stop_signal = name
+            self._stop_ts = time.time()
             self._stop_deadline = time.monotonic() + self.stop_timeout
             log.info("%s received: stopping the driver (SIGTERM, then SIGKILL after %gs; "
                      "press Ctrl-C again to kill now)", name, self.stop_timeout)

@@ -6,6 +6,10 @@ Which files a savepoint needs to resume after batch N (DESIGN.md section 1: batc
 * ``metadata`` (the lineage), ``offsets/N`` and ``commits/N`` plus ``offsets/N-1`` and
   ``commits/N-1`` (Spark 4.3 refuses to restart without the previous offset log entry), all
   of ``sources/``;
+* ``offsets/N+1`` when batch N+1 was planned but not committed (a stop interrupted it, maybe
+  after a sink had already decided it): the restored job replays N+1 from exactly these
+  offsets, so a sink that decided N+1 sees the same fingerprint and skips it, instead of a
+  re-planned N+1 that could differ (recorded as ``planned_batch`` in the manifest);
 * per state store directory (``state/<op>/<partition>[/<store>]``): the newest snapshot at or
   below version N+1 (HDFS-backed ``V.snapshot`` / RocksDB ``V.zip``) and every later
   ``V.delta`` / ``V.changelog`` up to N+1 — exactly the chain Spark reads to load version
@@ -63,12 +67,18 @@ def live_lease_holder(checkpoint_url: str) -> dict | None:
     return rec if rec and probe._holder_alive(rec) else None
 
 
-def default_target(checkpoint_url: str, batch: int) -> str:
-    """``CHECKPOINT_DIR/../savepoints/sp-<batch>-<UTC timestamp>``."""
+def default_savepoint_dir(checkpoint_url: str) -> str:
+    """``CHECKPOINT_DIR/../savepoints``: where savepoints go unless a target is given."""
     url = checkpoint_url.rstrip("/")
     parent = url.rsplit("/", 1)[0] if "/" in url.split("://", 1)[-1] else "."
+    return f"{parent}/savepoints"
+
+
+def default_target(checkpoint_url: str, batch: int, directory: str | None = None, prefix: str = "sp") -> str:
+    """``DIRECTORY/<prefix>-<batch>-<UTC timestamp>``, DIRECTORY defaulting to
+    ``CHECKPOINT_DIR/../savepoints``."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return f"{parent}/savepoints/sp-{batch}-{stamp}"
+    return f"{(directory or default_savepoint_dir(checkpoint_url)).rstrip('/')}/{prefix}-{batch}-{stamp}"
 
 
 def _job_name(ckpt: CheckpointDir) -> str:
@@ -79,8 +89,12 @@ def _job_name(ckpt: CheckpointDir) -> str:
     return name or "unknown"
 
 
-def select_files(ckpt: CheckpointDir, batch: int) -> list[str]:
-    """Checkpoint-relative paths of the files needed to resume after ``batch``."""
+def select_files(ckpt: CheckpointDir, batch: int, planned: int | None = None,
+                 partitions: int | None = None) -> list[str]:
+    """Checkpoint-relative paths of the files needed to resume after ``batch`` (and to replay
+    the uncommitted ``planned`` batch from its write-ahead offsets). ``partitions``: the
+    batch's state partitions; directories of higher partitions (left behind by a rescale to
+    fewer partitions) are not part of it."""
     root = ckpt.path.rstrip("/")
     all_files = [p for p in ckpt.fs.find(root, detail=False) if p.startswith(root + "/")]
     rels = [p[len(root) + 1 :] for p in all_files]
@@ -93,10 +107,14 @@ def select_files(ckpt: CheckpointDir, batch: int) -> list[str]:
             continue
         if rel == "metadata" or rel.startswith("sources/"):
             chosen.append(rel)
-        elif rel in (f"offsets/{batch}", f"commits/{batch}", f"offsets/{batch - 1}", f"commits/{batch - 1}"):
+        elif rel in (f"offsets/{batch}", f"commits/{batch}", f"offsets/{batch - 1}", f"commits/{batch - 1}") or (
+                planned is not None and rel == f"offsets/{planned}"):
             # Spark 4.3 validates that offsets/N-1 exists when restarting after batch N
             chosen.append(rel)
         elif rel.startswith("state/"):
+            bits = rel.split("/")
+            if partitions is not None and len(bits) > 3 and bits[2].isdigit() and int(bits[2]) >= partitions:
+                continue
             m = _VERSIONED.match(base)
             parent = rel.rsplit("/", 1)[0]
             if m:
@@ -147,8 +165,10 @@ def _referenced_ssts(ckpt: CheckpointDir, zips: list[str]) -> set[str] | None:
     return names
 
 
-def read_operators(ckpt: CheckpointDir, files: list[str]) -> list[StateOperator]:
-    """Stateful operators from ``state/<op>/_metadata`` (names and partitions as Spark wrote them)."""
+def read_operators(ckpt: CheckpointDir, files: list[str], partitions: int | None = None) -> list[StateOperator]:
+    """Stateful operators from ``state/<op>/_metadata`` (names as Spark wrote them). Their
+    partitions are the batch's ``partitions`` (``spark.sql.shuffle.partitions`` in its offsets:
+    Spark's repartition does not rewrite ``_metadata``), else what ``_metadata`` says."""
     op_ids = sorted({int(r.split("/")[1]) for r in files if r.startswith("state/") and r.split("/")[1].isdigit()})
     ops = []
     for op in op_ids:
@@ -162,7 +182,7 @@ def read_operators(ckpt: CheckpointDir, files: list[str]) -> list[StateOperator]
                 if info and name is None:
                     name = info["operatorInfo"].get("operatorName")
                     stores = info.get("stateStoreInfo") or []
-        n_parts = max((s.get("numPartitions", 0) for s in stores), default=0) or len(parts)
+        n_parts = partitions or max((s.get("numPartitions", 0) for s in stores), default=0) or len(parts)
         store_names = tuple(s.get("storeName", "default") for s in stores) or ("default",)
         ops.append(StateOperator(op, name, n_parts, store_names))
     return ops
@@ -185,11 +205,14 @@ def create_savepoint(
     *,
     batch: int | None = None,
     job_name: str | None = None,
+    reason: str = "create",
 ) -> tuple[str, Manifest]:
     """Snapshot a stopped job's checkpoint at its last committed batch (or ``batch``).
 
     Returns (savepoint URL, manifest). Refuses while a driver holds the checkpoint's lease,
     and writes ``_savepoint.json`` last: a directory without it is an incomplete savepoint.
+    ``reason`` is recorded in the event log's ``savepoint`` event (``stop`` for a stop with
+    savepoint).
     """
     ckpt = CheckpointDir(checkpoint_url)
     if not ckpt.exists():
@@ -211,11 +234,13 @@ def create_savepoint(
             f"{ckpt.url} has no committed batch {batch} (retained committed batches: "
             f"{committed[:1] + ['...'] + committed[-1:] if len(committed) > 2 else committed})"
         )
-    files = select_files(ckpt, batch)
+    offset_batches = ckpt.offset_batches()
+    planned = batch + 1 if batch + 1 in offset_batches and batch + 1 not in committed else None
     offsets = ckpt.offsets(batch)
     conf = offsets.metadata.get("conf", {})
     shuffle = conf.get("spark.sql.shuffle.partitions")
-    operators = read_operators(ckpt, files)
+    files = select_files(ckpt, batch, planned, int(shuffle) if shuffle else None)
+    operators = read_operators(ckpt, files, int(shuffle) if shuffle else None)
     target = (target or default_target(ckpt.url, batch)).rstrip("/")
     dst_fs, dst_root = url_to_fs(target)
     if dst_fs.exists(dst_root) and dst_fs.ls(dst_root, detail=False):
@@ -227,7 +252,7 @@ def create_savepoint(
         )
         manifest = Manifest(
             job=job_name or _job_name(ckpt), lineage=ckpt.lineage, batch=batch,
-            source_offsets=ckpt.source_offsets(batch),
+            source_offsets=ckpt.source_offsets(batch), planned_batch=planned,
             operators=operators,
             state_provider=(conf.get(PROVIDER_KEY) or HDFS_PROVIDER) if operators else conf.get(PROVIDER_KEY),
             shuffle_partitions=int(shuffle) if shuffle else None,
@@ -244,6 +269,6 @@ def create_savepoint(
     elapsed = time.monotonic() - started
     log.info("savepoint of %s at batch %d: %s (%d files, %d bytes, %.2fs)",
              ckpt.url, batch, target, len(copied), manifest.total_bytes, elapsed)
-    EventLog(ckpt.url).append("savepoint", path=target, batch=batch, lineage=manifest.lineage,
+    EventLog(ckpt.url).append("savepoint", path=target, batch=batch, lineage=manifest.lineage, reason=reason,
                               files=len(copied), bytes=manifest.total_bytes, seconds=round(elapsed, 3))
     return target, manifest

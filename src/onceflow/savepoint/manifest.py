@@ -8,6 +8,7 @@
         metadata               query id (the lineage)
         offsets/N  commits/N   the last committed batch (write-ahead offsets + commit),
         offsets/N-1 commits/N-1  and the one before (Spark checks it on restart)
+        [offsets/N+1]          batch N+1 if it was planned but not committed (replayed as is)
         sources/...            source metadata logs
         state/<op>/...         state store files for state version N+1 only
 
@@ -70,6 +71,8 @@ class Manifest:
     created: float
     created_from: str
     files: list[FileEntry] = field(default_factory=list)
+    #: batch N+1, planned (``offsets/N+1`` kept) but not committed when the savepoint was taken
+    planned_batch: int | None = None
     format_version: int = FORMAT_VERSION
     kind: str = "savepoint"
 

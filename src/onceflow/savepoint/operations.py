@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -11,9 +12,14 @@ from dataclasses import dataclass, field
 
 from fsspec.core import url_to_fs
 
-from onceflow.checkpoint.eventlog import EventLog
+from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
 from onceflow.checkpoint.layout import CheckpointDir
-from onceflow.savepoint.create import create_savepoint, default_target, live_lease_holder
+from onceflow.savepoint.create import (
+    create_savepoint,
+    default_savepoint_dir,
+    default_target,
+    live_lease_holder,
+)
 from onceflow.savepoint.manifest import (
     MANIFEST,
     Manifest,
@@ -100,6 +106,12 @@ def dispose_savepoint(url: str) -> Manifest:
 
 # ---- stop with savepoint ------------------------------------------------------------------
 
+#: ``onceflow run --no-savepoint-on-stop`` / ``--savepoint-dir DIR`` -> the driver.
+SAVEPOINT_ON_STOP_ENV = "ONCEFLOW_SAVEPOINT_ON_STOP"
+SAVEPOINT_DIR_ENV = "ONCEFLOW_SAVEPOINT_DIR"
+#: written by ``onceflow stop [--savepoint [TARGET]]`` before it signals: what the stop should do
+STOP_REQUEST = f"{EVENTS_DIR}/stop_request.json"
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -111,32 +123,88 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _supervisor(events: list[dict]) -> tuple[int | None, float]:
-    """(supervisor pid, ts) of the latest ``process_start`` not followed by a process ``stop``."""
-    pid, ts = None, 0.0
+def _start_time(pid: int) -> int | None:
+    from onceflow.runtime.supervisor import process_start_time
+
+    return process_start_time(pid)
+
+
+def _supervisor(events: list[dict]) -> tuple[dict | None, float]:
+    """(latest ``process_start`` not followed by a process ``stop``, its ts)."""
+    start, ts = None, 0.0
     for e in events:
         if e.get("event") == "process_start":
-            pid, ts = e.get("supervisor_pid"), float(e.get("ts", 0))
+            start, ts = e, float(e.get("ts", 0))
         elif e.get("event") in ("stop", "gave_up") and e.get("scope") == "process":
-            pid = None
-    return pid, ts
+            start = None
+    return start, ts
 
 
-def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2) -> str:
+def _live_supervisor(url: str, start: dict | None) -> int | None:
+    """The supervisor pid of ``start`` if that very process is alive on this host.
+
+    Refuses (SavepointError) when it runs on another host; a pid that is gone, or reused by a
+    process that started at another time than the one recorded, counts as not running."""
+    if not start or not start.get("supervisor_pid"):
+        return None
+    pid, host = int(start["supervisor_pid"]), start.get("host")
+    if host is None:
+        log.warning("the event log of %s does not record the supervisor's host (older onceflow); "
+                    "not signalling pid %d", url, pid)
+        return None
+    if host != socket.gethostname():
+        raise SavepointError(
+            f"the job on {url} is supervised on host {host} (pid {pid}), not on this host "
+            f"({socket.gethostname()}); run 'onceflow stop' there"
+        )
+    if not _alive(pid):
+        return None
+    recorded, now = start.get("supervisor_started"), _start_time(pid)
+    if recorded is not None and now is not None and int(recorded) != now:
+        log.info("pid %d of the recorded supervisor now belongs to another process; not signalling", pid)
+        return None
+    return pid
+
+
+def _write_request(url: str, savepoint: bool, target: str | None) -> None:
+    fs, path = url_to_fs(f"{url}/{STOP_REQUEST}")
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "w") as f:
+        json.dump({"ts": round(time.time(), 3), "savepoint": savepoint, "target": target}, f)
+
+
+def take_stop_request(checkpoint_url: str, since: float) -> dict | None:
+    """The stop request written by ``onceflow stop`` at or after ``since`` (removed once read)."""
+    fs, path = url_to_fs(f"{checkpoint_url.rstrip('/')}/{STOP_REQUEST}")
+    try:
+        with fs.open(path, "r") as f:
+            req = json.load(f)
+        fs.rm(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    return req if float(req.get("ts", 0)) >= since else None
+
+
+def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
+             savepoint: bool = False, target: str | None = None) -> str:
     """Stop the job running on ``checkpoint_url`` gracefully (the in-flight batch finishes).
 
-    Sends SIGTERM to the supervisor of ``onceflow run`` (found in the event log), or to the
-    driver holding the lease when it runs without a supervisor, and waits until the supervisor
-    has logged its ``stop`` event and the lease is free. Returns what was stopped.
+    Sends SIGTERM to the supervisor of ``onceflow run`` (from the event log's latest
+    ``process_start``, only if it runs on this host and its pid still belongs to the process
+    that started then), or to the driver holding the lease when it runs without a supervisor,
+    and waits until the job has stopped and the lease is free. Before signalling it leaves a
+    stop request telling the driver whether to take a savepoint (``savepoint``, at ``target``
+    or the driver's default). Returns what was stopped.
     """
     url = checkpoint_url.rstrip("/")
     events = EventLog(url)
-    sup, since = _supervisor(list(events.read()))
+    start, since = _supervisor(list(events.read()))
+    sup = _live_supervisor(url, start)
     holder = live_lease_holder(url)
-    if sup and _alive(int(sup)):
-        target, what = int(sup), f"supervisor pid {sup}"
+    if sup:
+        pid, what = sup, f"supervisor pid {sup}"
     elif holder and holder.get("host") == socket.gethostname():
-        target, what = int(holder["pid"]), f"driver pid {holder['pid']}"
+        pid, what = int(holder["pid"]), f"driver pid {holder['pid']}"
     elif holder:
         raise SavepointError(
             f"the job on {url} runs on another host ({holder.get('host')}, pid {holder.get('pid')}); "
@@ -144,21 +212,69 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2) -> 
         )
     else:
         return "nothing (the job was not running)"
+    if target and "://" not in target:
+        target = os.path.abspath(target)  # the driver's working directory may differ
+    _write_request(url, savepoint, target)
     log.info("stopping %s of %s (SIGTERM; the in-flight batch finishes first)", what, url)
-    os.kill(target, signal.SIGTERM)
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stopped = not _alive(target) or any(
-            e.get("event") == "stop" and e.get("scope") == "process" and float(e.get("ts", 0)) >= since
-            for e in events.read()
-        ) if target == sup else not _alive(target)
+        if pid == sup:
+            stopped = not _alive(pid) or any(
+                e.get("event") == "stop" and e.get("scope") == "process" and float(e.get("ts", 0)) >= since
+                for e in events.read())
+        else:
+            stopped = not _alive(pid)
         if stopped and live_lease_holder(url) is None:
             return what
         time.sleep(poll)
     raise SavepointError(f"{what} did not stop within {timeout:g}s; no savepoint was taken")
 
 
+def _stop_savepoint_since(url: str, since: float) -> str | None:
+    found = None
+    for e in EventLog(url).read():
+        if e.get("event") == "savepoint" and e.get("reason") == "stop" and float(e.get("ts", 0)) >= since:
+            found = e.get("path")
+    return found
+
+
 def stop_with_savepoint(checkpoint_url: str, target: str | None = None, timeout: float = 300.0) -> tuple[str, Manifest]:
-    """``onceflow stop --savepoint``: stop gracefully, then snapshot the last committed batch."""
-    stop_job(checkpoint_url, timeout)
-    return create_savepoint(checkpoint_url, target)
+    """``onceflow stop --savepoint``: stop gracefully; the driver takes the savepoint of the
+    last committed batch as it stops (or, when no driver took one, e.g. the job was waiting
+    to restart, this function takes it of the stopped checkpoint)."""
+    url = checkpoint_url.rstrip("/")
+    since = time.time()
+    stop_job(url, timeout, savepoint=True, target=target)
+    taken = _stop_savepoint_since(url, since)
+    if taken:
+        return taken, read_manifest(taken)
+    return create_savepoint(url, target, reason="stop")
+
+
+def savepoint_on_stop(checkpoint_url: str, job_name: str, started: float,
+                      environ: dict | None = None) -> tuple[str, Manifest] | None:
+    """The driver's stop-with-savepoint, after its query stopped on request (SIGTERM/SIGINT).
+
+    What to do comes from the stop request of ``onceflow stop`` if there is one (written after
+    ``started``), else from ``onceflow run``'s options: ``--no-savepoint-on-stop`` (no
+    savepoint), ``--savepoint-dir DIR`` (default ``CHECKPOINT_DIR/../savepoints``); the target
+    is ``DIR/<job>-<batch>-<UTC time>``. Returns None when no savepoint is wanted or nothing
+    was committed yet; raises when taking it fails.
+    """
+    environ = os.environ if environ is None else environ
+    url = checkpoint_url.rstrip("/")
+    request = take_stop_request(url, started)
+    if request is not None and not request.get("savepoint"):
+        return None
+    target = request.get("target") if request else None
+    if request is None and environ.get(SAVEPOINT_ON_STOP_ENV) == "0":
+        return None
+    ckpt = CheckpointDir(url)
+    last = ckpt.last_committed() if ckpt.exists() else None
+    if last is None:
+        log.warning("stopped before any batch was committed on %s: no savepoint to take", url)
+        return None
+    target = target or default_target(url, last, environ.get(SAVEPOINT_DIR_ENV) or default_savepoint_dir(url),
+                                      prefix=job_name)
+    return create_savepoint(url, target, job_name=job_name, reason="stop")

@@ -58,7 +58,7 @@ def restore_env(from_savepoint: str | None, fork: bool, rescale: int | None,
     if not from_savepoint:
         return {}
     return {RESTORE_ENV["from_savepoint"]: from_savepoint, RESTORE_ENV["fork"]: "1" if fork else "",
-            RESTORE_ENV["rescale"]: str(rescale or ""),
+            RESTORE_ENV["rescale"]: "" if rescale is None else str(rescale),
             RESTORE_ENV["allow_non_restored_state"]: "1" if allow_non_restored_state else ""}
 
 
@@ -73,17 +73,6 @@ def restore_options_from_env(environ) -> dict:
             "allow_non_restored_state": environ.get(RESTORE_ENV["allow_non_restored_state"]) == "1"}
 
 
-def precheck(savepoint: str, checkpoint_url: str) -> Manifest:
-    """Cheap checks before a driver is started (no Spark): readable manifest, files present
-    with their sizes, target empty or already restored from this savepoint."""
-    manifest = read_manifest(savepoint.rstrip("/"))
-    target = CheckpointDir(checkpoint_url)
-    previous = _read_marker(target.fs, f"{target.path.rstrip('/')}/{MARKER}")
-    if not (previous and previous.get("id") == f"{manifest.lineage}:{manifest.batch}:{manifest.created}"):
-        _require_empty(target.fs, target.path.rstrip("/"), target.url)
-    sp_fs, sp_root = url_to_fs(savepoint.rstrip("/"))
-    _check_present(sp_fs, sp_root, savepoint.rstrip("/"), manifest)
-    return manifest
 ROCKSDB = "RocksDBStateStoreProvider"
 
 # Physical-plan node names (explain) -> operatorName in Spark's state metadata, normalised.
@@ -145,29 +134,31 @@ class RestoreRequest:
     rescale: int | None = None
     allow_non_restored_state: bool = False
 
-    def apply(self, checkpoint_url: str, *, job: Job | None = None, spark=None) -> RestoreResult:
-        """Restore into ``checkpoint_url``. With ``job`` and ``spark`` the operators, the sinks'
-        decisions (roll back) and rescale are checked; without, only the files are restored."""
+    def check(self, checkpoint_url: str, *, job: Job | None = None, spark=None) -> Manifest:
+        """Every refusal a restore can make before copying, without writing anything: the
+        manifest, the files' presence and sizes, an empty target, ``--rescale``, and with
+        ``job`` and ``spark`` the operators and roll back (``job.run`` calls this before it
+        creates the checkpoint directory). Checksums are verified while copying."""
+        return self._checks(checkpoint_url, job, spark)[0]
+
+    def _checks(self, checkpoint_url: str, job: Job | None, spark):
+        """(manifest, mode, who committed after, skipped operators, previous marker)."""
         sp_url = self.savepoint.rstrip("/")
         manifest = read_manifest(sp_url)
         sp_id = f"{manifest.lineage}:{manifest.batch}:{manifest.created}"
         target = CheckpointDir(checkpoint_url)
         fs, root = target.fs, target.path.rstrip("/")
-
         previous = _read_marker(fs, f"{root}/{MARKER}")
         if previous and previous.get("id") == sp_id and previous.get("status") == "done":
-            log.info("checkpoint %s was already restored from %s; continuing", target.url, sp_url)
-            return RestoreResult("already_restored", sp_url, target.url, manifest.batch,
-                                 previous.get("lineage", manifest.lineage), manifest.lineage,
-                                 previous.get("rescaled_to"))
-        if previous and previous.get("id") == sp_id and previous.get("status") == "in_progress":
-            _wipe(fs, root)  # an interrupted restore of this same savepoint: start over
-        _require_empty(fs, root, target.url)
-
+            return manifest, "already_restored", None, [], previous
+        if not (previous and previous.get("id") == sp_id and previous.get("status") == "in_progress"):
+            _require_empty(fs, root, target.url)
+        if self.rescale is not None and self.rescale < 1:
+            raise SavepointError(f"--rescale {self.rescale}: give a number of state partitions >= 1")
         sp_fs, sp_root = url_to_fs(sp_url)
         _check_present(sp_fs, sp_root, sp_url, manifest)
         ops = job_operators(spark, job) if job is not None and spark is not None else None
-        self._check_rescale(manifest, ops, spark)
+        self._check_rescale(manifest, ops, spark, job is not None)
         skipped = self._check_operators(manifest, ops)
         mode = "fork" if self.fork else "resume"
         committed_after = self._committed_after(manifest, job, target.url)
@@ -182,6 +173,24 @@ class RestoreRequest:
                     "after the savepoint again, under the new lineage."
                 )
             mode = "rollback"
+        return manifest, mode, committed_after, skipped, previous
+
+    def apply(self, checkpoint_url: str, *, job: Job | None = None, spark=None) -> RestoreResult:
+        """Restore into ``checkpoint_url``. With ``job`` and ``spark`` the operators, the sinks'
+        decisions (roll back) and rescale are checked; without, only the files are restored."""
+        sp_url = self.savepoint.rstrip("/")
+        target = CheckpointDir(checkpoint_url)
+        fs, root = target.fs, target.path.rstrip("/")
+        manifest, mode, committed_after, skipped, previous = self._checks(checkpoint_url, job, spark)
+        sp_id = f"{manifest.lineage}:{manifest.batch}:{manifest.created}"
+        if mode == "already_restored":
+            log.info("checkpoint %s was already restored from %s; continuing", target.url, sp_url)
+            return RestoreResult("already_restored", sp_url, target.url, manifest.batch,
+                                 previous.get("lineage", manifest.lineage), manifest.lineage,
+                                 previous.get("rescaled_to"))
+        if previous and previous.get("id") == sp_id and previous.get("status") == "in_progress":
+            _wipe(fs, root)  # an interrupted restore of this same savepoint: start over
+        sp_fs, sp_root = url_to_fs(sp_url)
 
         lineage = str(uuid.uuid4()) if self.fork else manifest.lineage
         existed = fs.exists(root)
@@ -253,7 +262,7 @@ class RestoreRequest:
             )
         return extra
 
-    def _check_rescale(self, manifest: Manifest, ops: dict[int, str] | None, spark) -> None:
+    def _check_rescale(self, manifest: Manifest, ops: dict[int, str] | None, spark, job_given: bool) -> None:
         if self.rescale is None:
             return
         if self.rescale < 1:
@@ -276,12 +285,23 @@ class RestoreRequest:
         current = max((o.partitions for o in manifest.operators), default=None)
         if current == self.rescale:
             raise SavepointError(f"--rescale {self.rescale}: the state already has {current} partitions")
-        if spark is None:
+        if spark is None and not job_given:  # check() before job.run made its session: later
             raise SavepointError("--rescale needs a SparkSession (restore through job.run or onceflow run)")
 
+    def _last_replayed(self, manifest: Manifest) -> int:
+        """The last batch id the restored job re-runs from saved offsets: the planned batch
+        when the savepoint holds one (not with rescale, whose extra batch takes its id)."""
+        if manifest.planned_batch is not None and not self.rescale:
+            return manifest.planned_batch
+        return manifest.batch
+
     def _committed_after(self, manifest: Manifest, job: Job | None, checkpoint_url: str) -> str | None:
-        """Who already committed batches after the savepoint's batch for its lineage, if anyone."""
-        nxt = manifest.batch + 1
+        """Who already committed batches after the savepoint's batch for its lineage, if anyone.
+
+        A decision for the savepoint's planned batch is not a roll back: the restored job
+        replays that batch from the same ``offsets/N+1`` the sink's fingerprint was taken of."""
+        last = self._last_replayed(manifest)
+        nxt = last + 1
         if job is not None:
             sink = job.sink.data_source({"checkpointlocation": checkpoint_url})
             if sink.decision(manifest.lineage, nxt) is not None:
@@ -289,9 +309,9 @@ class RestoreRequest:
         origin = CheckpointDir(manifest.created_from)
         try:
             if origin.exists() and origin.lineage == manifest.lineage:
-                last = origin.last_committed()
-                if last is not None and last > manifest.batch:
-                    return f"the original checkpoint {origin.url} (last committed batch {last})"
+                done = origin.last_committed()
+                if done is not None and done > last:
+                    return f"the original checkpoint {origin.url} (last committed batch {done})"
         except (OSError, ValueError):
             return None
         return None
@@ -301,6 +321,8 @@ class RestoreRequest:
     def _copy(self, manifest, sp_fs, sp_root, sp_url, fs, root, skipped) -> None:
         expected = {f.path: f for f in manifest.files}
         drop = tuple(f"{DATA_DIR}/state/{op}/" for op in skipped)
+        if manifest.planned_batch is not None and self._last_replayed(manifest) != manifest.planned_batch:
+            drop += (f"{DATA_DIR}/offsets/{manifest.planned_batch}",)  # rescale takes its id
         prefix = f"{DATA_DIR}/"
         items = [
             (f.path, f"{sp_root}/{f.path}", f"{root}/{f.path[len(prefix):]}")
@@ -318,6 +340,18 @@ class RestoreRequest:
                 )
 
         copy_tree(items, sp_fs, fs, check)
+
+
+def remove_if_only_onceflow(checkpoint_url: str) -> bool:
+    """After a refused restore into a directory that was absent: remove it again if it holds
+    nothing but onceflow's ``_onceflow/`` (lease, restore marker). True if removed."""
+    target = CheckpointDir(checkpoint_url)
+    fs, root = target.fs, target.path.rstrip("/")
+    names = _entries(fs, root)
+    if not fs.exists(root) or not set(names) <= {EVENTS_DIR}:
+        return False
+    fs.rm(root, recursive=True)
+    return True
 
 
 def _repartition(spark, url: str, partitions: int) -> None:
