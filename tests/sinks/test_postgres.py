@@ -558,6 +558,32 @@ def test_doctor_reports_and_resolve_applies_recovery_rules(spark, pg, pg_noprepa
     assert [c.ok for c in unreachable] == [False] and pg.password not in unreachable[0].detail
 
 
+def test_doctor_cli_lists_a_dangling_transaction_and_resolve_clears_it(pg):
+    from click.testing import CliRunner
+
+    from onceflow.cli.doctor import doctor
+
+    db = Database(pg, f"cli_{uid()}")
+    execute(db, "CREATE TABLE t (id bigint)")
+    with psycopg.connect(db.dsn, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute("INSERT INTO t VALUES (1)")
+        conn.execute(f"PREPARE TRANSACTION 'onceflow:cli:{uuid.uuid4()}:0:0:0:run'")
+    runner = CliRunner()
+    listed = runner.invoke(doctor, ["--postgres", db.dsn])
+    assert listed.exit_code == 1, listed.output
+    assert "1 onceflow prepared transaction(s)" in listed.output and "1 undecided (to roll back)" in listed.output
+    resolved = runner.invoke(doctor, ["--postgres", db.dsn, "--resolve"])
+    assert resolved.exit_code == 0, resolved.output
+    assert "committed 0, rolled back 1" in resolved.output
+    assert "dangling_prepared_transactions after resolve: none" in resolved.output
+    assert pg.password not in listed.output + resolved.output
+    assert rows(db, "SELECT count(*) FROM t") == [(0,)]
+    assert runner.invoke(doctor, ["--postgres", db.dsn]).exit_code == 0
+    bad = runner.invoke(doctor, ["--postgres", f"host=h password='{pg.password}"])
+    assert bad.exit_code == 1 and "cannot parse the DSN" in bad.output and pg.password not in bad.output
+
+
 def test_resolve_skips_a_lineage_whose_driver_is_running(pg):
     from onceflow.sinks.postgres_doctor import resolve
 

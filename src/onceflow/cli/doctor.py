@@ -80,14 +80,24 @@ def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve:
         from onceflow.sinks.postgres_doctor import doctor as pg_doctor
         from onceflow.sinks.postgres_doctor import resolve as pg_resolve
 
-        click.echo(f"PostgreSQL at {mask_dsn(postgres)}:")
-        for check in pg_doctor(postgres):
-            _print(check.name, check.ok, check.detail)
-            failed |= not check.ok
-        if resolve:
-            report = pg_resolve(postgres)
-            _print("resolve", report.ok,
-                   f"committed {report.committed}, rolled back {report.rolled_back}"
-                   + (f"; skipped: {'; '.join(report.skipped)}" if report.skipped else ""))
-            failed |= not report.ok
+        try:
+            click.echo(f"PostgreSQL at {mask_dsn(postgres)}:")
+            checks = pg_doctor(postgres)
+            for check in checks:
+                _print(check.name, check.ok, check.detail)
+            if resolve and checks[0].ok:
+                report = pg_resolve(postgres)
+                _print("resolve", report.ok,
+                       f"committed {report.committed}, rolled back {report.rolled_back}"
+                       + (f"; skipped: {'; '.join(report.skipped)}" if report.skipped else ""))
+                failed |= not report.ok
+                # what resolve fixed is no longer a failure: judge the dangling check afresh
+                dangling = "dangling_prepared_transactions"
+                after = next(c for c in pg_doctor(postgres) if c.name == dangling)
+                _print(f"{dangling} after resolve", after.ok, after.detail)
+                checks = [after if c.name == dangling else c for c in checks]
+            failed |= any(not c.ok for c in checks)
+        except OnceflowError as e:
+            click.echo(f"  [{click.style('FAIL', fg='red')}] {e}")
+            failed = True
     ctx.exit(1 if failed else 0)

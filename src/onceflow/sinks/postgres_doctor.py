@@ -89,9 +89,12 @@ def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
             f"PostgreSQL {version}" + ("" if num >= 100000 else " (onceflow needs 10 or newer)"),
         ))
         mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+        in_use = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()[0]
         results.append(CheckResult(
             "max_prepared_transactions", mpt > 0,
-            f"{mpt}: mode two_phase available" if mpt > 0 else
+            f"{mpt} ({in_use} in use now): mode two_phase available; each write task of a batch holds "
+            "one until the batch commits, so keep the stream's write partitions, summed over "
+            "concurrent onceflow queries, below it" if mpt > 0 else
             "0: mode two_phase unavailable; set max_prepared_transactions (e.g. 64, restart needed) "
             "or use mode='idempotent'",
         ))
