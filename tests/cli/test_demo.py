@@ -20,6 +20,9 @@ def test_demo_survives_driver_sigkill_exactly_once(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "EXACTLY ONCE" in out
+    for figure in ("events expected", "events committed", "duplicates", "missing",
+                   "records processed incl. replays", "restarts", "recovery time per restart"):
+        assert figure in out, f"the demo did not print {figure!r}"
     events = [json.loads(x) for x in (workdir / "checkpoint/_onceflow/events.jsonl").read_text().splitlines()]
     restarts = [e for e in events if e["event"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["cause"] == "killed by SIGKILL"
