@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 from onceflow.errors import ConfigError
 
 
 def ensure_java() -> None:
-    """Fail with instructions (not a JVM launcher trace) when Java 17+ is missing."""
+    """Fail with instructions (not a JVM launcher trace) when Java 17+ is missing or too old."""
     java_home = os.environ.get("JAVA_HOME")
     java = os.path.join(java_home, "bin", "java") if java_home else shutil.which("java")
+    how = "Install it (Debian/Ubuntu: 'apt-get install -y openjdk-17-jre-headless', or ./setup.sh) and retry."
     if not java or not os.path.exists(java):
-        raise ConfigError(
-            "Java 17 or newer is required by Spark and was not found on PATH or JAVA_HOME. "
-            "Install it (Debian/Ubuntu: 'apt-get install -y openjdk-17-jre-headless') and retry."
-        )
+        raise ConfigError(f"Java 17 or newer is required by Spark and was not found on PATH or JAVA_HOME. {how}")
+    try:
+        out = subprocess.run([java, "-version"], capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ConfigError(f"{java} -version failed ({e}); Spark needs a working Java 17+. {how}") from None
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', out)
+    major = int(m.group(1)) if m else 0
+    if major == 1 and m and m.group(2):  # "1.8.0_x" style
+        major = int(m.group(2))
+    if m and major < 17:
+        raise ConfigError(f"{java} is Java {major}; Spark 4 needs Java 17 or newer. {how}")
 
 
 def prepare_environment() -> None:
