@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from kafka_broker import KafkaBroker, create_topic, produce
 from onceflow.checkpoint.eventlog import EventLog
@@ -25,7 +25,7 @@ from onceflow.errors import ConfigError, OnceflowError
 from onceflow.job import CheckpointConfig, Job
 from onceflow.runtime.restart import fixed_delay
 from onceflow.sinks.delta import DeltaSink
-from onceflow.sinks.kafka import MARKER_TOPIC, KafkaSink, close_all, doctor, probe
+from onceflow.sinks.kafka import MARKER_TOPIC, KafkaSink, _ensure_topic, close_all, doctor, probe
 from onceflow.sources.deadletter import decode_values, read_dead_letters
 from onceflow.sources.kafka import KafkaSource
 from onceflow.verify.exactly_once import check_delta_table, check_ids
@@ -153,6 +153,44 @@ def test_markers_replays_and_crash_windows(spark, kafka_broker, topic_name, tmp_
     kafka_job(tmp_path, kafka_broker, topic_name, 2100).run(spark=spark)
     report = check_ids([int(m.value()) for m in read_topic(kafka_broker, topic_name, 2)], 2100)
     assert report.ok, report
+
+
+def test_open_transaction_of_a_dead_attempt_is_fenced_not_waited_for(spark, kafka_broker, topic_name, tmp_path):
+    """A task that died between producing its marker and committing leaves a transaction open
+    on the marker partition, and read_committed reads of that partition wait for it. Here two
+    such transactions are left open with raw producers: one under partition 0's stable id (its
+    retry fences it before reading any marker) and one of a partition this run never writes
+    (fenced after a grace period). Before the fix every task attempt waited the whole sink
+    timeout and failed, until the driver's recovery ran after a query restart."""
+    create_topic(kafka_broker, topic_name, 1)
+    lineage = f"L{uuid.uuid4().hex[:8]}"
+    conf = {"bootstrap.servers": kafka_broker}
+    _ensure_topic(conf, MARKER_TOPIC, 15)
+    zombies = []
+    for part in (0, 7):
+        txn = f"onceflow-kafka-{lineage}-p{part}"
+        p = Producer({**conf, "transactional.id": txn, "transaction.timeout.ms": 900_000})
+        p.init_transactions(10)
+        p.begin_transaction()
+        # batch 10**6: never reached by this run. The aborted marker stays readable on tansu
+        # (no aborted-record filtering), so it must not claim a batch this run writes.
+        marker = {"type": "partition", "sink": "kafka", "lineage": lineage, "batch": 10**6,
+                  "partition": part, "attempt": 0, "rows": 0, "fingerprint": "unknown", "txn": txn}
+        p.produce(MARKER_TOPIC, json.dumps(marker).encode(), f"kafka/{lineage}".encode(), partition=0)
+        assert p.flush(10) == 0
+        zombies.append(p)
+    started = time.monotonic()
+    kafka_job(tmp_path, kafka_broker, topic_name, 300, extra={"lineage": lineage}, timeout=240).run(spark=spark)
+    elapsed = time.monotonic() - started
+    assert check_ids([int(m.value()) for m in read_topic(kafka_broker, topic_name)], 300).ok
+    events = list(EventLog(str(tmp_path / "ckpt")).read())
+    assert not [e for e in events if e["event"] == "restart"], "a task waited for the open transaction"
+    assert elapsed < 200, f"took {elapsed:.0f}s: waited for the open transactions"
+    for p in zombies:  # both were fenced: their commits fail
+        with pytest.raises(KafkaException):
+            p.commit_transaction(10)
+    unverified = [e for e in events if e["event"] == "guarantee_unverified"]
+    assert unverified and "NOT checked" in unverified[0]["detail"]  # skip_broker_probe is loud
 
 
 def test_at_least_once_is_explicit_and_works_on_tansu(spark, kafka_broker, topic_name, tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from confluent_kafka import Consumer, TopicPartition
 
 from kafka_broker import create_topic, delete_topic, produce
+from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import ConfigError
 from onceflow.sources.kafka import SCHEMA, KafkaSource, cap_offsets, parse_options
 
@@ -159,10 +160,15 @@ def test_recreated_topic_is_data_loss_unless_allowed(spark, kafka_broker, topic_
         run_available_now(source.load(spark), tmp_path)
 
     source.fail_on_data_loss = False
+    source.event_log = str(tmp_path / "out-cp")  # what a onceflow Job sets automatically
     rows, _ = run_available_now(source.load(spark), tmp_path)
     assert sorted(r.value.decode() for r in rows) == sorted(
         [f"old{i}" for i in range(10)] + ["new0", "new1", "new2"])
     assert last_checkpoint_offsets(tmp_path / "out-cp") == {topic_name: {"0": 3}}
+    # "log and count": the skipped range is in the event log, not only in a log line
+    [loss] = [e for e in EventLog(str(tmp_path / "out-cp")).read() if e["event"] == "source_data_loss"]
+    assert (loss["topic"], loss["partition"], loss["start"], loss["end"]) == (topic_name, 0, 10, 3)
+    assert loss["cause"] == "log truncated or re-created"
 
 
 def test_bad_inputs_fail_early_with_clear_messages(spark, kafka_broker, topic_name):

@@ -137,6 +137,7 @@ class JobRunner:
         for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf}.items():
             if key.startswith("spark.sql."):  # session confs: apply to a given session too
                 spark.conf.set(key, value)
+        spark.conf.set("spark.onceflow.checkpointLocation", self.url)  # sources' event log (Kafka data loss)
         df = job.source(spark)
         if job.transform is not None:
             df = job.transform(df)

@@ -90,7 +90,7 @@ class CheckResult:
     detail: str
 
 
-_PROBES: dict[str, ProbeResult] = {}
+_PROBES: dict[tuple[str, str], ProbeResult] = {}
 _PROBE_LOCK = threading.Lock()
 
 
@@ -203,11 +203,13 @@ def probe(bootstrap: str, timeout: float = 20.0, producer_config: Mapping[str, A
 
 
 def cached_probe(bootstrap: str, timeout: float = 20.0, producer_config: Mapping[str, Any] | None = None) -> ProbeResult:
-    """:func:`probe`, once per bootstrap string per process."""
+    """:func:`probe`, once per (bootstrap, producer config) per process: another config (other
+    credentials, another listener) may reach a different broker behaviour, so it is probed anew."""
+    key = (bootstrap, json.dumps(dict(producer_config or {}), sort_keys=True, default=str))
     with _PROBE_LOCK:
-        if bootstrap not in _PROBES:
-            _PROBES[bootstrap] = probe(bootstrap, timeout, producer_config)
-        return _PROBES[bootstrap]
+        if key not in _PROBES:
+            _PROBES[key] = probe(bootstrap, timeout, producer_config)
+        return _PROBES[key]
 
 
 def doctor(bootstrap: str, timeout: float = 20.0) -> list[CheckResult]:
@@ -234,13 +236,19 @@ def doctor(bootstrap: str, timeout: float = 20.0) -> list[CheckResult]:
         eo = f"mode exactly_once: available; {GUARANTEES['exactly_once']}"
     else:
         eo = ("mode exactly_once: REFUSED on this broker (see aborted_records_hidden); use "
-              "mode='at_least_once' explicitly, or a broker with working read_committed")
+              "mode='at_least_once' explicitly, or a broker with working read_committed. A sink "
+              "started with skip_broker_probe=true runs anyway WITHOUT this guarantee (its job's "
+              "event log records 'guarantee_unverified')")
     results.append(CheckResult("guarantee_exactly_once", result.ok, eo))
     results.append(CheckResult("guarantee_at_least_once", True, f"mode at_least_once: {GUARANTEES['at_least_once']}"))
     return results
 
 
 # ---- marker log ------------------------------------------------------------------------------
+
+
+class MarkerWait(SinkError):
+    """An open transaction holds the marker partition's read_committed position."""
 
 
 def marker_partition(key: str, partitions: int) -> int:
@@ -285,15 +293,18 @@ class MarkerLog:
                 cls._instances[key] = MarkerLog(conf, topic, partition, timeout)
             return cls._instances[key]
 
-    def refresh(self) -> MarkerLog:
+    def refresh(self, wait: float | None = None) -> MarkerLog:
+        """Read up to the log end; raise :class:`MarkerWait` when an open transaction still holds
+        the read_committed position after ``wait`` seconds (default: the timeout)."""
         from confluent_kafka import KafkaException, TopicPartition
 
+        wait = self.timeout if wait is None else wait
         with self.lock:
             try:
                 _, end = self.watermarks.get_watermark_offsets(self.tp, timeout=self.timeout, cached=False)
             except KafkaException as e:
                 raise SinkError(f"{FORMAT}: cannot read the end of marker topic {self.topic}: {e.args[0].str()}") from None
-            deadline = time.monotonic() + self.timeout
+            deadline = time.monotonic() + wait
             while self.pos < end:
                 for m in self.consumer.consume(1000, 0.2):
                     if m.error() is not None:
@@ -306,9 +317,9 @@ class MarkerLog:
                 if position is not None and position > self.pos:
                     self.pos = position
                 if self.pos < end and time.monotonic() > deadline:
-                    raise SinkError(
+                    raise MarkerWait(
                         f"{FORMAT}: marker topic {self.topic} partition {self.partition}: read_committed "
-                        f"position {self.pos} did not reach the log end {end} within {self.timeout:g}s; "
+                        f"position {self.pos} did not reach the log end {end} within {wait:g}s; "
                         "an open transaction holds it (a crashed task's transaction is aborted when "
                         "the task is retried, or after transaction.timeout.ms)")
         return self
@@ -389,6 +400,7 @@ def _consumer_conf(conf: Mapping[str, Any]) -> dict:
 # ---- producers (cached per Python worker process) ------------------------------------------
 
 _PRODUCERS: dict[str, Any] = {}
+_FENCED: dict[str, tuple[int, int]] = {}  # txn id -> (batch, attempt) whose is_decided fenced it
 _KNOWN_TOPICS: dict[tuple[str, str], bool] = {}
 
 
@@ -437,7 +449,9 @@ class KafkaDataSource(TwoPhaseCommitSink):
         "sink_id": "name of this sink in the job, part of transactional ids and markers (default 'kafka')",
         "marker_topic": f"topic for batch markers (default {MARKER_TOPIC}; created if missing)",
         "timeout": "seconds for metadata, transaction and marker operations (default 60)",
-        "skip_broker_probe": "tests only: do not check that the broker hides aborted records",
+        "skip_broker_probe": ("tests only: do not check that the broker hides aborted records; "
+                              "exactly-once is then NOT verified (warning logged, event "
+                              "'guarantee_unverified' in the job's event log)"),
     }
 
     def __init__(self, options):
@@ -480,6 +494,9 @@ class KafkaDataSource(TwoPhaseCommitSink):
         return f"KafkaDataSource({self.bootstrap}, topic={self.topic}, mode={self.mode}, sink_id={self.sink_id})"
 
     def describe_guarantee(self) -> str:
+        if self.mode == "exactly_once" and self.skip_probe:
+            return (f"{GUARANTEES[self.mode]}; NOT VERIFIED: skip_broker_probe=true bypassed the check "
+                    "that the broker hides aborted records")
         return GUARANTEES[self.mode]
 
     # ---- names ---------------------------------------------------------------------------
@@ -519,7 +536,9 @@ class KafkaDataSource(TwoPhaseCommitSink):
                                   "create it (onceflow does not create data topics) or fix the topic option")
         if self.mode != "exactly_once":
             return
-        if not self.skip_probe:
+        if self.skip_probe:
+            self._warn_unverified()
+        else:
             result = cached_probe(self.bootstrap, min(self.timeout, 20), self.conf)
             if not result.ok:
                 raise ConfigError(
@@ -529,20 +548,63 @@ class KafkaDataSource(TwoPhaseCommitSink):
                     f"{self.bootstrap}' shows the checks")
         _ensure_topic(self.conf, self.marker_topic, min(self.timeout, 15))
 
+    def _warn_unverified(self) -> None:
+        """skip_broker_probe: say loudly, in the log and the job's event log, what is not known."""
+        detail = (f"skip_broker_probe=true: the broker at {self.bootstrap} was NOT checked for hiding "
+                  "aborted transactional records; exactly-once for read_committed consumers is "
+                  "not verified (a broker that shows aborted records shows duplicates after retries)")
+        log.warning("%s: %s", FORMAT, detail)
+        loc = self.opts.get("checkpointlocation")
+        if loc:
+            from onceflow.checkpoint.eventlog import EventLog
+
+            try:
+                EventLog(loc).append("guarantee_unverified", sink=FORMAT, sink_id=self.sink_id,
+                                     mode=self.mode, detail=detail)
+            except OSError as e:
+                log.warning("could not append to the event log: %s", e)
+
     # ---- tasks ---------------------------------------------------------------------------
 
     def is_decided(self, lineage: str, batch_id: int) -> bool:
+        """Task, first step: fence this partition's older attempts, then read the markers.
+
+        Fencing comes first: an older attempt that died between producing its marker and
+        committing left a transaction open on the marker partition, and a read_committed read
+        would wait for it until ``transaction.timeout.ms``.
+        """
         if self.mode != "exactly_once":
             return False
-        return (self.sink_id, lineage, batch_id) in self._markers(lineage).refresh().decisions
+        task = TaskInfo.current()
+        txn = self.txn_id(lineage, task.partition)
+        _transactional_producer(self.conf, txn, self.timeout, fresh=True)  # init_transactions fences
+        _FENCED[txn] = (task.batch_id, task.attempt)
+        return (self.sink_id, lineage, batch_id) in self._refreshed(lineage, {txn}).decisions
+
+    def _refreshed(self, lineage: str, own: set[str]) -> MarkerLog:
+        """The lineage's markers, read to the log end. A transaction that still holds the marker
+        partition after a grace period belongs to a dead task of another partition (live tasks
+        produce their marker last and commit right after): fence it instead of waiting up to
+        the timeout (a live but slow one then fails its commit and is retried, nothing is lost)."""
+        markers = self._markers(lineage)
+        try:
+            return markers.refresh(wait=min(5.0, self.timeout / 4))
+        except MarkerWait:
+            stale = markers.uncommitted_txn_ids(self.sink_id, lineage) - own - {self.txn_id(lineage, "driver")}
+            for txn in sorted(stale):
+                log.warning("%s: fencing transaction %s, open on the marker topic for too long", FORMAT, txn)
+                _transactional_producer(self.conf, txn, self.timeout, fresh=True)
+                _drop_producer(txn)
+            return markers.refresh()
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
         if self.mode != "exactly_once":
             return self._write_at_least_once(task, schema, batches)
         txn = self.txn_id(task.lineage, task.partition)
-        # A fresh producer per task (not cached): its init_transactions fences every older
-        # attempt of this partition, and no cached producer can be the one that got fenced.
-        producer = _transactional_producer(self.conf, txn, self.timeout, fresh=True)
+        # A producer initialised by this very task attempt (in is_decided), never an older
+        # cached one: init_transactions fenced every older attempt of this partition.
+        fresh = _FENCED.pop(txn, None) != (task.batch_id, task.attempt)
+        producer = _transactional_producer(self.conf, txn, self.timeout, fresh=fresh)
         try:
             return self._pre_commit_txn(task, schema, producer, txn, batches)
         finally:
@@ -550,7 +612,7 @@ class KafkaDataSource(TwoPhaseCommitSink):
 
     def _pre_commit_txn(self, task: TaskInfo, schema: StructType, producer, txn: str, batches: Iterator):
         fingerprint = _task_fingerprint(self.opts.get("checkpointlocation"), task.batch_id)
-        done = self._markers(task.lineage).refresh().parts.get(
+        done = self._refreshed(task.lineage, {txn}).parts.get(
             (self.sink_id, task.lineage, task.batch_id, task.partition))
         if done is not None:
             _check_fingerprint(done.get("fingerprint", "unknown"), fingerprint, task, self.sink_id)

@@ -10,7 +10,9 @@ Guarantees:
 - ``read_committed`` by default. Transaction markers leave offset gaps; a range ends when the
   consumer's position reaches its end offset, so gaps are never mistaken for data loss.
 - Records removed before they were read (retention, topic re-created) fail the query with the
-  topic, partition and offset range, unless ``failOnDataLoss=false`` (then logged and skipped).
+  topic, partition and offset range, unless ``failOnDataLoss=false``: then they are skipped,
+  logged (WARNING, with a running count) and counted as ``source_data_loss`` events in the
+  job's event log (``eventLog`` option; set automatically under a onceflow Job).
 - Partitions that appear while running (new partitions, new topics matching the pattern) are
   read from offset 0; a partition whose log no longer starts at 0 then counts as data loss.
 - ``groupId`` commits processed offsets after each batch for lag dashboards only.
@@ -78,6 +80,8 @@ OPTIONS = {
     "groupId": "consumer group to commit processed offsets to, for lag monitoring only",
     "pollTimeoutMs": "max wait for a record that should exist while reading (default 120000)",
     "metadataTimeoutMs": "timeout of metadata/offset requests to the brokers (default 10000)",
+    "eventLog": "checkpoint directory whose onceflow event log records skipped data loss "
+                "(set by onceflow Jobs)",
 }
 _KNOWN = {k.lower(): k for k in OPTIONS}
 _FORBIDDEN_KAFKA = {
@@ -112,6 +116,7 @@ class Settings:
     group_id: str | None = None
     poll_timeout_ms: int = 120_000
     metadata_timeout_ms: int = 10_000
+    event_log: str | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -203,6 +208,7 @@ def parse_options(options: Mapping[str, Any]) -> Settings:
         group_id=opts.get("groupid") or None,
         poll_timeout_ms=_int_option(opts, "pollTimeoutMs", 120_000, 1),
         metadata_timeout_ms=_int_option(opts, "metadataTimeoutMs", 10_000, 1),
+        event_log=opts.get("eventlog") or None,
     )
 
 
@@ -416,6 +422,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 raise KafkaDataLossError(f"{NAME}: {msg}. Restore from a savepoint, or set "
                                          "failOnDataLoss=false to continue from the new log's start")
             log.warning("%s: %s; failOnDataLoss=false: reading the new log from its start", NAME, msg)
+            record_data_loss(self.s, t, p, begin[(t, p)], high[(t, p)], None, "log truncated or re-created")
         return gone
 
     # -- driver: planning -------------------------------------------------------------------
@@ -447,6 +454,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.skipped_records += low - lo
         log.warning("%s: %s; skipped %d records (failOnDataLoss=false, %d skipped so far)",
                     NAME, msg, low - lo, self.skipped_records)
+        record_data_loss(self.s, topic, partition, lo, low, low - lo, "deleted before planning",
+                         self.skipped_records)
         return low
 
     # -- executor ---------------------------------------------------------------------------
@@ -557,8 +566,26 @@ def _skip_deleted(consumer, settings: Settings, part: KafkaInputPartition, pos: 
                                  "failOnDataLoss=false to skip them")
     new_pos = min(low, part.end)
     log.warning("%s: %s; skipped %d records (failOnDataLoss=false)", NAME, msg, new_pos - pos)
+    record_data_loss(settings, t, p, pos, new_pos, new_pos - pos, "deleted while reading")
     consumer.assign([TopicPartition(t, p, new_pos)])
     return new_pos
+
+
+def record_data_loss(settings: Settings, topic: str, partition: int, start: int, end: int,
+                     records: int | None, cause: str, total: int | None = None) -> None:
+    """Count skipped records (failOnDataLoss=false) in the job's event log as ``source_data_loss``
+    (``records`` None: unknown, the log was re-created). A replanned batch may report a range
+    again after a restart. Never fails the query: the WARNING log line is always written."""
+    if not settings.event_log:
+        return
+    from onceflow.checkpoint.eventlog import EventLog
+
+    try:
+        EventLog(settings.event_log).append(
+            "source_data_loss", source=NAME, topic=topic, partition=partition, start=start, end=end,
+            records=records, cause=cause, **({"skipped_so_far": total} if total is not None else {}))
+    except OSError as e:
+        log.warning("%s: could not record data loss in the event log: %s", NAME, e)
 
 
 def _read_fatal_codes() -> set[int]:
@@ -629,6 +656,7 @@ class KafkaSource:
     consumer_options: Mapping[str, str] = field(default_factory=dict)
     poll_timeout_ms: int = 120_000
     metadata_timeout_ms: int = 10_000
+    event_log: str | None = None
 
     def options(self) -> dict[str, str]:
         """The Spark options this configuration stands for."""
@@ -646,7 +674,7 @@ class KafkaSource:
         opts["metadataTimeoutMs"] = str(self.metadata_timeout_ms)
         for name, value in (("startingTimestamp", self.starting_timestamp),
                             ("maxOffsetsPerTrigger", self.max_offsets_per_trigger),
-                            ("groupId", self.group_id)):
+                            ("groupId", self.group_id), ("eventLog", self.event_log)):
             if value is not None:
                 opts[name] = str(value)
         return opts
@@ -658,6 +686,13 @@ class KafkaSource:
         return settings
 
     def load(self, spark):
-        """Validate, then ``spark.readStream.format("onceflow-kafka").options(...).load()``."""
+        """Validate, then ``spark.readStream.format("onceflow-kafka").options(...).load()``.
+
+        Under a onceflow Job, ``event_log`` defaults to the job's checkpoint directory."""
         self.validate()
-        return spark.readStream.format(NAME).options(**self.options()).load()
+        opts = self.options()
+        if self.event_log is None:
+            ckpt = spark.conf.get("spark.onceflow.checkpointLocation", None)
+            if ckpt:
+                opts["eventLog"] = ckpt
+        return spark.readStream.format(NAME).options(**opts).load()
