@@ -148,25 +148,38 @@ def test_upsert_last_row_per_key_wins_through_a_task_crash(spark, pg, pg_noprepa
     assert prepared(server, sink.sink_id) == []
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
 def test_upsert_keys_colliding_across_partitions_last_row_wins(spark, pg, pg_noprepared, tmp_path, mode):
     """Every key appears in both partitions of every batch. Tasks only stage their rows; the
-    driver merges a batch at commit, the last row per key in (partition, position) order
-    winning. (Tasks upserting into the table directly hang in two_phase: the second task
-    waits on the first one's prepared transaction.) Staging is empty afterwards."""
-    server = server_for(mode, pg, pg_noprepared)
-    sink = make_sink(server, mode, write="upsert", keys=["k"])
+    driver merges a decided batch, the last row per key in (partition, position) order winning.
+    (Tasks upserting into the table directly hang in two_phase: the second task waits on the
+    first one's prepared transaction.) A driver crash between decision and merge leaves the
+    batch staged and invisible; recovery (here: doctor's resolve) merges it exactly once."""
+    from onceflow.sinks.postgres_doctor import resolve
+
+    db = Database(server_for(mode, pg, pg_noprepared), f"upsert_{uid()}")
+    sink = make_sink(db, mode, write="upsert", keys=["k"])
 
     def transform(df):  # values fall as ids rise: a winner chosen by value would be wrong
         return df.selectExpr("id % 100 AS k", "-id AS v", "concat('v', id) AS label")
 
-    assert run_stream(spark, tmp_path, sink, partitions=2, transform=transform, timeout=60) is None
-    assert rows(server, f"SELECT k, v, label FROM {sink.table} ORDER BY k") == [
-        (k, -(TOTAL - 100 + k), f"v{TOTAL - 100 + k}") for k in range(100)]
-    assert prepared(server, sink.sink_id) == []
+    def expected(total: int) -> list[tuple]:
+        return [(k, -(total - 100 + k), f"v{total - 100 + k}") for k in range(100)]
+
+    point = "mid_commit" if mode == "two_phase" else "after_decide"
+    err = run_stream(spark, tmp_path, sink, partitions=2, transform=transform, timeout=60, crash=f"{point}@1:raise")
+    assert err and "InjectedCrash" in err
+    # batch 0 is empty, batch 1 (ids 0..999) is decided but staged: nothing visible yet
+    assert rows(db, f"SELECT count(*) FROM {sink.table}") == [(0,)]
+    report = resolve(db.dsn)
+    assert (report.committed, report.merged, report.skipped) == (1 if mode == "two_phase" else 0, 1, [])
+    assert rows(db, f"SELECT k, v, label FROM {sink.table} ORDER BY k") == expected(1000)
+    assert run_stream(spark, tmp_path, sink, total=3000, partitions=2, transform=transform, timeout=60) is None
+    assert rows(db, f"SELECT k, v, label FROM {sink.table} ORDER BY k") == expected(3000)
+    assert prepared(db, sink.sink_id) == []
     stage = sink.data_source().stage_table.as_string()
-    assert rows(server, f"SELECT count(*) FROM {stage}") == [(0,)]
+    assert rows(db, f"SELECT count(*) FROM {stage}") == [(0,)]
 
 
 def test_prepared_transactions_of_a_dead_driver_are_rolled_back_by_the_next_run(spark, pg, tmp_path):

@@ -88,7 +88,8 @@ def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve:
             if resolve and checks[0].ok:
                 report = pg_resolve(postgres)
                 _print("resolve", report.ok,
-                       f"committed {report.committed}, rolled back {report.rolled_back}"
+                       f"committed {report.committed}, rolled back {report.rolled_back}, "
+                       f"merged {report.merged} upsert batch(es)"
                        + (f"; skipped: {'; '.join(report.skipped)}" if report.skipped else ""))
                 failed |= not report.ok
                 # what resolve fixed is no longer a failure: judge the dangling check afresh

@@ -592,18 +592,23 @@ class PostgresDataSource(TwoPhaseCommitSink):
                                        for n, t in STAGE_COLUMNS.items()),
                     sql.SQL(", ").join(map(sql.Identifier, schema.names)), self.table,
                 ))
+            meta = {"sink_id": self.sink_id, "table": self.opts["table"], "keys": self.keys}
+            conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(self.stage_table, sql.Literal(json.dumps(meta))))
 
-    def _merge(self, conn: psycopg.Connection, lineage: str, batch: int) -> int:
+    def _merge(self, conn: psycopg.Connection, lineage: str, batch: int,
+               stage: tuple[sql.Identifier, sql.Identifier, list[str]] | None = None) -> int:
         """Upsert: move batch N's staged rows into the table in one statement; idempotent.
 
         The last row per key wins, in (partition, position in the partition) order. A second
         run finds nothing staged (the first one's DELETE is committed with its INSERT).
+        ``stage``: (staging table, target table, keys), default this sink's.
         """
-        cols = [n for n in self._column_types(conn, self.stage_table) or {} if n not in STAGE_COLUMNS]
+        st, table, keys = stage or (self.stage_table, self.table, self.keys)
+        cols = [n for n in self._column_types(conn, st) or {} if n not in STAGE_COLUMNS]
         if not cols:
             return 0
-        others = [c for c in cols if c not in self.keys]
-        keys = sql.SQL(", ").join(map(sql.Identifier, self.keys))
+        others = [c for c in cols if c not in keys]
+        key_list = sql.SQL(", ").join(map(sql.Identifier, keys))
         action = (
             sql.SQL("DO UPDATE SET {}").format(sql.SQL(", ").join(
                 sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others))
@@ -613,22 +618,42 @@ class PostgresDataSource(TwoPhaseCommitSink):
             "WITH staged AS (DELETE FROM {st} WHERE _onceflow_lineage = %s AND _onceflow_batch = %s RETURNING *) "
             "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM staged "
             "ORDER BY {keys}, _onceflow_partition DESC, _onceflow_seq DESC ON CONFLICT ({keys}) {action}"
-        ).format(st=self.stage_table, t=self.table, cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
-                 keys=keys, action=action), [lineage, batch])
+        ).format(st=st, t=table, cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
+                 keys=key_list, action=action), [lineage, batch])
         return cur.rowcount
+
+    def _stages(self, conn: psycopg.Connection) -> list[tuple[sql.Identifier, sql.Identifier, list[str]]]:
+        """(staging table, target table, keys) of this sink_id's upsert staging tables, read from
+        their comments (so ``onceflow doctor --resolve`` can merge without the job's options)."""
+        found = conn.execute(
+            "SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_class c "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relkind = 'r' AND starts_with(c.relname, 'onceflow_stage_')",
+            [self.log_schema],
+        ).fetchall()
+        out = []
+        for name, comment in found:
+            try:
+                meta = json.loads(comment or "")
+            except ValueError:
+                continue
+            if isinstance(meta, dict) and meta.get("sink_id") == self.sink_id:
+                out.append((sql.Identifier(self.log_schema, name), sql.Identifier(*meta["table"].split(".")), meta["keys"]))
+        return out
 
     def _merge_decided(self, conn: psycopg.Connection, lineage: str) -> int:
         """Upsert recovery: merge every decided batch of the lineage that still has staged rows."""
-        if self.write_kind != "upsert" or self._column_types(conn, self.stage_table) is None:
-            return 0
-        staged = [b for (b,) in conn.execute(sql.SQL(
-            "SELECT DISTINCT _onceflow_batch FROM {} WHERE _onceflow_lineage = %s ORDER BY 1").format(self.stage_table),
-            [lineage])]
-        decided = self._decided_gids(conn, lineage, set(staged)) if staged else {}
-        for b in staged:
-            if b in decided:
-                self._merge(conn, lineage, b)
-        return sum(1 for b in staged if b in decided)
+        merged = 0
+        for stage in self._stages(conn):
+            staged = [b for (b,) in conn.execute(sql.SQL(
+                "SELECT DISTINCT _onceflow_batch FROM {} WHERE _onceflow_lineage = %s ORDER BY 1").format(stage[0]),
+                [lineage])]
+            decided = self._decided_gids(conn, lineage, set(staged)) if staged else {}
+            for b in staged:
+                if b in decided:
+                    self._merge(conn, lineage, b, stage)
+                    merged += 1
+        return merged
 
     # ---- the fence and recovery --------------------------------------------------------
 
@@ -736,35 +761,27 @@ class PostgresDataSource(TwoPhaseCommitSink):
         undecided gids of the checkpoint's latest planned batch are left alone: that batch may be
         running; its tasks and its commit clean up its stale attempts.
         """
-        merged: dict[str, int] = {}
-        if self.mode == "idempotent":
-            if self.write_kind == "upsert":
-                merged["merged"] = self._retrying("recovery", lambda conn: self._merge_decided(conn, lineage))
-            return {"committed": 0, "rolled_back": 0} | merged
         keep = {h["gid"] for h in in_flight if isinstance(h, dict) and "gid" in h}
         latest = None if keep else self._latest_planned_batch()
 
         def run(conn: psycopg.Connection) -> dict[str, int]:
+            committed = rolled_back = 0
             prepared = [p for p in self._prepared(conn, self._prefix(lineage)) if p.gid not in keep]
-            if self.write_kind == "upsert":  # after the COMMIT PREPAREDs below: all decided rows staged
-                merged["merged"] = 0
-            if not prepared:
-                if merged:
-                    merged["merged"] = self._merge_decided(conn, lineage)
-                return {"committed": 0, "rolled_back": 0} | merged
-            decided = self._decided_gids(conn, lineage, {p.batch for p in prepared})
-            committed = sum(
-                self._finish(conn, "COMMIT", p.gid) for p in prepared if p.gid in decided.get(p.batch, set())
-            )
-            stale = [
-                p for p in prepared
-                if p.gid not in decided.get(p.batch, set())
-                and (latest is None or p.batch < latest or p.batch in decided)
-            ]
-            rolled_back = self._rollback_undecided(conn, lineage, stale)
-            if merged:
-                merged["merged"] = self._merge_decided(conn, lineage)
-            return {"committed": committed, "rolled_back": rolled_back} | merged
+            if prepared:
+                decided = self._decided_gids(conn, lineage, {p.batch for p in prepared})
+                committed = sum(
+                    self._finish(conn, "COMMIT", p.gid) for p in prepared if p.gid in decided.get(p.batch, set())
+                )
+                stale = [
+                    p for p in prepared
+                    if p.gid not in decided.get(p.batch, set())
+                    and (latest is None or p.batch < latest or p.batch in decided)
+                ]
+                rolled_back = self._rollback_undecided(conn, lineage, stale)
+            # after the COMMIT PREPAREDs: every decided batch's rows are staged
+            merged = self._merge_decided(conn, lineage)
+            counts = {"committed": committed, "rolled_back": rolled_back}
+            return counts | ({"merged": merged} if merged or self.write_kind == "upsert" else {})
 
         return self._retrying("recovery", run)
 

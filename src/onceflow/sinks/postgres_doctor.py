@@ -34,6 +34,7 @@ class ResolveReport:
 
     committed: int = 0
     rolled_back: int = 0
+    merged: int = 0  # upsert batches moved from staging into their table
     skipped: list[str] = field(default_factory=list)  # "sink/lineage: reason"
 
     @property
@@ -69,6 +70,25 @@ def _dangling(conn: psycopg.Connection, log_schema: str) -> dict[tuple[str, str]
             ).fetchone() or (False,)
             decided = bool(decided[0])
         out[(m["sink"], m["lineage"])].append((gid, int(m["batch"]), decided, float(age)))
+    return out
+
+
+def _staged(conn: psycopg.Connection, log_schema: str) -> dict[tuple[str, str], int]:
+    """(sink, lineage) -> staged upsert rows not yet merged (decided or not), per staging table comment."""
+    tables = conn.execute(
+        "SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_class c JOIN pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r' AND starts_with(c.relname, 'onceflow_stage_')",
+        [log_schema],
+    ).fetchall()
+    out: dict[tuple[str, str], int] = defaultdict(int)
+    for name, comment in tables:
+        try:
+            sink = json.loads(comment or "")["sink_id"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        for lineage, n in conn.execute(sql.SQL(
+            "SELECT _onceflow_lineage, count(*) FROM {} GROUP BY 1").format(sql.Identifier(log_schema, name))):
+            out[(sink, lineage)] += n
     return out
 
 
@@ -125,6 +145,14 @@ def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
                 f"{n} onceflow prepared transaction(s): {'; '.join(parts)}. They hold locks until resolved; "
                 "restart the job (it recovers them) or run 'onceflow doctor --postgres DSN --resolve'",
             ))
+        staged = _staged(conn, log_schema)
+        results.append(CheckResult(
+            "staged_upsert_rows", True,
+            "none" if not staged else "; ".join(
+                f"sink {s} lineage {lineage}: {n} row(s) of batches in flight, not yet decided, or decided "
+                "and waiting for their merge (the job's restart or --resolve merges decided ones)"
+                for (s, lineage), n in staged.items()),
+        ))
     two_phase = PostgresDataSource({"dsn": dsn, "table": "unused"}).describe_guarantee()
     idempotent = PostgresDataSource({"dsn": dsn, "table": "unused", "mode": "idempotent"}).describe_guarantee()
     results.append(CheckResult("guarantees", True, f"{two_phase}. {idempotent}"))
@@ -132,7 +160,8 @@ def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
 
 
 def resolve(dsn: str, log_schema: str = "public") -> ResolveReport:
-    """Commit decided and roll back undecided onceflow prepared transactions (stopped jobs only)."""
+    """Commit decided and roll back undecided onceflow prepared transactions, then merge decided
+    upsert batches still staged (stopped jobs only)."""
     report = ResolveReport()
     source = _source(dsn, log_schema=log_schema)
     try:
@@ -140,12 +169,13 @@ def resolve(dsn: str, log_schema: str = "public") -> ResolveReport:
     except psycopg.OperationalError as e:
         raise source._connect_error(e) from None
     with conn:
-        groups = list(_dangling(conn, log_schema))
+        groups = list(dict.fromkeys([*_dangling(conn, log_schema), *_staged(conn, log_schema)]))
     for sink, lineage in groups:
         try:
             with _source(dsn, sink, log_schema).open(lineage) as fence:
                 report.committed += fence.recovered.get("committed", 0)
                 report.rolled_back += fence.recovered.get("rolled_back", 0)
+                report.merged += fence.recovered.get("merged", 0)
         except FencedError:
             report.skipped.append(f"{sink}/{lineage}: a running driver holds its fence")
         except OnceflowError as e:
