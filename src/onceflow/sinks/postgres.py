@@ -10,14 +10,28 @@ Modes and their guarantees:
   between the individual COMMIT PREPARED statements of one batch).
 * ``idempotent`` (for servers without prepared transactions): each task writes its rows and a
   (sink, lineage, batch, partition) marker in one local transaction; a replayed task that
-  finds its marker writes nothing. **Exactly-once effect, weaker visibility**: a batch becomes
-  visible partition by partition, and a failed batch can stay partly visible until it is
-  replayed (always the next thing the same lineage does).
+  finds its marker writes nothing. **Exactly-once effect, weaker visibility** (append): a batch
+  becomes visible partition by partition, and a failed batch can stay partly visible until it
+  is replayed (always the next thing the same lineage does).
 
-Write kinds: ``append`` (COPY into the table) and ``upsert`` (COPY into a staging table, then
-``INSERT ... ON CONFLICT (keys) DO UPDATE``). Within one task the last row per key wins
-(row order of the partition); across partitions of one batch Spark must co-locate keys
-(``df.repartition("key")``) or the rows must be deduplicated first.
+Write kinds: ``append`` (tasks COPY into the table inside their prepared/local transaction)
+and ``upsert`` on declared key columns. In upsert, tasks never touch the table: they COPY their
+rows, tagged (lineage, batch, partition, position in the partition), into an onceflow staging
+table ``<log_schema>.onceflow_stage_<hash>`` inside that transaction. When the batch is decided
+(and, in two_phase, all its prepared transactions are committed) the driver merges its staged
+rows in ONE statement: ``DELETE`` them from staging and ``INSERT ... ON CONFLICT (keys) DO
+UPDATE`` into the table, keeping per key the **last row in (partition, position) order** —
+deterministic, whatever the partitions' timing. The merge is idempotent (a second one finds
+nothing staged) and recovery repeats it for decided batches that still have staged rows. So in
+both modes **an upsert batch becomes visible atomically**, and no task waits on another task's
+row locks.
+
+Prepared-transaction slots: in two_phase every write task holds one from its PREPARE until the
+batch commits, so ``max_prepared_transactions`` must be at least the stream's write partitions
+(summed over concurrent queries on the server, plus room for retried task attempts); a task that finds no free slot fails with an
+error naming the setting. The password (in the DSN or the ``password`` option) never appears
+in errors, logs or ``repr``; pass it as the ``password`` option (which Spark redacts) when
+using plain ``writeStream``.
 
 Safety invariants: a decision only lists gids that were still prepared when it was recorded,
 and an undecided gid is only rolled back under the same per-lineage lock after re-reading the
@@ -406,6 +420,9 @@ class PostgresDataSource(TwoPhaseCommitSink):
         if self.mode == "two_phase":
             return ("exactly-once (two_phase): each batch is prepared per task and committed after a "
                     "durable decision in onceflow_commit_log; a decided batch is never dropped")
+        if self.write_kind == "upsert":
+            return ("exactly-once effect (idempotent upsert): tasks commit staged rows with a marker; "
+                    "the driver merges a decided batch into the table in one transaction")
         return ("exactly-once effect, weaker visibility (idempotent): tasks commit rows with a "
                 "marker; a batch can be partly visible until it completes or is replayed")
 
@@ -986,9 +1003,11 @@ def _run_id() -> str:
 class PostgresSink(Sink):
     """Exactly-once PostgreSQL sink for a :class:`~onceflow.Job` (or ``writeStream``).
 
-    ``mode``: ``two_phase`` (atomic batches, needs max_prepared_transactions > 0) or
-    ``idempotent`` (rows + marker per task; a batch can be partly visible for a moment).
-    ``write``: ``append`` or ``upsert`` on ``keys``. ``commit_deadline``: seconds a commit keeps
+    ``mode``: ``two_phase`` (atomic batches, needs max_prepared_transactions > 0, one slot per
+    write partition) or ``idempotent`` (rows + marker per task; an append batch can be partly
+    visible for a moment). ``write``: ``append`` or ``upsert`` on ``keys`` (staged by the tasks,
+    merged atomically by the driver; within a batch the last row per key in (partition,
+    position) order wins). ``commit_deadline``: seconds a commit keeps
     retrying an unreachable server before the query fails (recovery finishes it later).
     """
 
