@@ -506,6 +506,27 @@ def test_value_too_long_for_the_column_fails_clearly_and_commits_nothing(spark, 
     assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(0,)] and prepared(pg, sink.sink_id) == []
 
 
+def test_no_free_prepared_transaction_slot_fails_clearly(spark, pg, tmp_path):
+    """max_prepared_transactions = 20, 19 taken by someone else, 2 write partitions: a task
+    fails with an error naming the setting and the remedies; nothing is committed or left."""
+    slots = int(rows(pg, "SHOW max_prepared_transactions")[0][0])
+    fillers = [f"filler-{uid()}-{i}" for i in range(slots - 1 - len(rows(pg, "SELECT 1 FROM pg_prepared_xacts")))]
+    try:
+        for gid in fillers:
+            with psycopg.connect(pg.dsn, autocommit=True) as conn:
+                conn.execute("BEGIN")
+                conn.execute(f"PREPARE TRANSACTION '{gid}'")
+        sink = make_sink(pg)
+        err = run_stream(spark, tmp_path, sink, total=200, per_batch=200)
+    finally:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            for gid in fillers:
+                conn.execute(f"ROLLBACK PREPARED '{gid}'")
+    assert err and "no free prepared-transaction slot" in err and "max_prepared_transactions" in err
+    assert "coalesce()" in err and pg.password not in err
+    assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(0,)] and prepared(pg, sink.sink_id) == []
+
+
 def test_two_phase_needs_prepared_transactions(spark, pg_noprepared):
     schema = stream_schema(spark)
     with pytest.raises(ConfigError, match="max_prepared_transactions.*idempotent"):
