@@ -20,6 +20,7 @@ Which files a savepoint needs to resume after batch N (DESIGN.md section 1: batc
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -53,6 +54,7 @@ PROVIDER_KEY = "spark.sql.streaming.stateStore.providerClass"
 HDFS_PROVIDER = "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider"
 
 
+@functools.cache
 def spark_version() -> str:
     try:
         return version("pyspark")

@@ -5,8 +5,7 @@ work alike. Between two local paths the bytes are copied in the kernel (``shutil
 sendfile / copy_file_range, what a plain ``cp -r`` does) and hashed from a read-only mmap of
 the source, without copying them through Python buffers; elsewhere they stream through
 fsspec in 8 MiB chunks, hashed on the way. Files are handled by a thread pool: hashlib (for
-buffers over 2 KiB) and the copy release the GIL, so one file's hashing overlaps another's
-copy. Checkpoint files are written once and never modified, so hashing the source and
+buffers over 2 KiB) and the copy release the GIL, so hashing overlaps copying. Checkpoint files are written once and never modified, so hashing the source and
 copying it are the same bytes.
 """
 
@@ -17,7 +16,7 @@ import mmap
 import os
 import shutil
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import fsspec
@@ -25,7 +24,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 CHUNK = 8 * 1024 * 1024
 WORKERS = min(8, 2 * (os.cpu_count() or 2))
-PARALLEL_MIN_BYTES = 4 * 1024 * 1024  # local copies go parallel only with 2+ files this large
 
 
 @dataclass(frozen=True)
@@ -79,19 +77,59 @@ def sha256_of(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """One pool per process (threads are started once, not per savepoint)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="onceflow-copy")
+    return _POOL
+
+
+def _settle(futures: list[Future]) -> None:
+    """Cancel what has not started and wait for the rest (nothing may write after a failure)."""
+    for f in futures:
+        f.cancel()
+    wait(futures)
+
+
 def copy_tree(
     pairs: Iterable[tuple[str, str, str]],
     src_fs: fsspec.AbstractFileSystem,
     dst_fs: fsspec.AbstractFileSystem,
     check: Callable[[Copied], None] | None = None,
 ) -> list[Copied]:
-    """Copy ``(rel, src, dst)`` triples, in parallel when there is enough data to make it pay
-    (threads cost more than they save on a few small files); ``check`` may raise to abort."""
+    """Copy ``(rel, src, dst)`` triples; ``check`` sees each file's size and SHA-256 and may
+    raise to abort (every started copy has finished when the exception propagates).
+
+    Local to local, each file's kernel copy and its hashing are separate tasks of a thread
+    pool, so they overlap within a file and across files. Elsewhere each file streams through
+    fsspec with its hash computed on the way, files in parallel."""
     pairs = list(pairs)
-    parallel = len(pairs) > 1
-    if parallel and isinstance(src_fs, LocalFileSystem):
-        big = sum(1 for _, src, _ in pairs if os.path.getsize(src) >= PARALLEL_MIN_BYTES)
-        parallel = big > 1
+    if isinstance(src_fs, LocalFileSystem) and isinstance(dst_fs, LocalFileSystem):
+        for parent in sorted({dst.rsplit("/", 1)[0] for _, _, dst in pairs}):
+            os.makedirs(parent, exist_ok=True)
+        pool = _pool()
+        copies, hashes = [], []
+        for _, src, dst in pairs:
+            copies.append(pool.submit(shutil.copyfile, src, dst))
+            hashes.append(pool.submit(_local_sha256, src))
+        out = []
+        try:
+            for (rel, _, _), h in zip(pairs, hashes, strict=True):
+                size, digest = h.result()
+                copied = Copied(rel, size, digest)
+                if check is not None:
+                    check(copied)
+                out.append(copied)
+            for c in copies:
+                c.result()
+        except BaseException:
+            _settle(copies + hashes)
+            raise
+        return out
 
     def one(item: tuple[str, str, str]) -> Copied:
         rel, src, dst = item
@@ -101,7 +139,9 @@ def copy_tree(
             check(copied)
         return copied
 
-    if not parallel:
-        return [one(p) for p in pairs]
-    with ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="onceflow-copy") as pool:
-        return list(pool.map(one, pairs))
+    futures = [_pool().submit(one, p) for p in pairs]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:
+        _settle(futures)
+        raise
