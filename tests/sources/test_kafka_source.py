@@ -98,13 +98,15 @@ def test_cap_offsets_is_proportional_bounded_and_progresses():
 
 def test_new_topic_matching_pattern_is_read_from_its_start(spark, kafka_broker, topic_name):
     """New partitions appear while running. tansu refuses CreatePartitions, so the new
-    partitions come from a new topic matching subscribePattern (same code path)."""
+    partitions come from a new topic matching subscribePattern (same code path). The new topic
+    is created and filled right after a trigger ended, so the next trigger discovers it with
+    records already in it: a source that started new partitions at 'latest' would skip them."""
     create_topic(kafka_broker, f"{topic_name}-a", 2)
     produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10)], partitions=2)
-    df = KafkaSource(kafka_broker, pattern=f"{topic_name}-.*", starting_offsets="earliest").load(spark)
-    q = (df.writeStream.format("memory").queryName(topic_name.replace("-", "_"))
-         .trigger(processingTime="300 milliseconds").start())
+    df = KafkaSource(kafka_broker, pattern=f"{topic_name}-.*", starting_offsets="latest").load(spark)
     table = topic_name.replace("-", "_")
+    q = (df.writeStream.format("memory").queryName(table)
+         .trigger(processingTime="5 seconds").start())
 
     def values() -> list[str]:
         return sorted(r.value.decode() for r in spark.sql(f"select value from {table}").collect())
@@ -115,14 +117,31 @@ def test_new_topic_matching_pattern_is_read_from_its_start(spark, kafka_broker, 
             time.sleep(0.3)
         return got
 
+    def between_triggers() -> None:
+        """Return right after a trigger ended (the next one starts ~5 s later)."""
+        deadline = time.monotonic() + 30
+        while not q.status["isTriggerActive"]:
+            assert time.monotonic() < deadline and q.isActive, "no trigger ran"
+            time.sleep(0.02)
+        while q.status["isTriggerActive"]:
+            assert time.monotonic() < deadline and q.isActive, "trigger did not end"
+            time.sleep(0.02)
+
     try:
-        assert wait_for(10) == sorted(f"a{i}" for i in range(10))
+        between_triggers()  # the query has planned its 'latest' start: topic -a begins at 10 records
+        produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10, 14)], partitions=2)
+        assert wait_for(4) == sorted(f"a{i}" for i in range(10, 14))
+        between_triggers()
         create_topic(kafka_broker, f"{topic_name}-b", 3)
         produce(kafka_broker, f"{topic_name}-b", [f"b{i}" for i in range(9)], partitions=3)
-        assert wait_for(19) == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(9)])
+        assert wait_for(13) == sorted([f"a{i}" for i in range(10, 14)] + [f"b{i}" for i in range(9)])
     finally:
         q.stop()
     assert q.exception() is None
+    # the first batch that knew topic -b found its 3 records per partition already there
+    ends = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
+    first_b = next(e[f"{topic_name}-b"] for e in ends if f"{topic_name}-b" in e)
+    assert first_b == {"0": 3, "1": 3, "2": 3}, "topic -b was discovered before it was filled"
 
 
 def test_transactional_records(spark, kafka_broker, topic_name, tmp_path):
