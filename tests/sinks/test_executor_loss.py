@@ -53,8 +53,10 @@ def kill_my_executor_mid_batch(batches):
 
             time.sleep(1.0)  # the batch's partitions running elsewhere finish and PREPARE
             with psycopg.connect(os.environ["DSN"]) as conn:
-                pending = conn.execute(
-                    "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE 'onceflow:%'").fetchone()[0]
+                pending = conn.execute(  # this batch's prepared partitions
+                    "SELECT count(*) FROM pg_prepared_xacts WHERE gid ~ %s",
+                    [f"^onceflow:postgres:[^:]+:{os.environ['KILL_BATCH']}:[0-9]+:[0-9]+:[^:]+$"],
+                ).fetchone()[0]
             jvm = executor_jvm(os.getpid())
             os.write(fd, f"{jvm} {pending}".encode())
             os.close(fd)
@@ -103,13 +105,13 @@ def test_executor_sigkill_mid_batch_two_phase_postgres(pg_up, tmp_path):
     assert driver.returncode == 0, out[-3000:]
     assert marker.exists(), "the executor was never killed: " + out[-2000:]
     _jvm, pending = map(int, marker.read_text().split())
-    assert pending >= 1, "no prepared transaction was pending: the kill was not mid-batch"
+    assert pending >= 1, "no prepared transaction of batch 3 was pending: the kill was not mid-batch"
     assert "Lost executor" in out and "exited with code 137" in out, "the SIGKILL went unnoticed"
     assert pg_up.password not in out
 
     with psycopg.connect(pg_up.dsn) as conn:
         ids = [r[0] for r in conn.execute("SELECT id FROM executor_loss")]
-        dangling = conn.execute("SELECT gid FROM pg_prepared_xacts WHERE gid LIKE 'onceflow:%'").fetchall()
+        dangling = conn.execute("SELECT gid FROM pg_prepared_xacts WHERE gid LIKE 'onceflow:postgres:%'").fetchall()
         handles = conn.execute("SELECT jsonb_array_length(handles) FROM onceflow_commit_log "
                                "WHERE sink = 'postgres' AND batch_id = 3").fetchall()
     report = check_ids(ids, total)
