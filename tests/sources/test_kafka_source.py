@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ from confluent_kafka import Consumer, TopicPartition
 from kafka_broker import create_topic, delete_topic, produce
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import ConfigError
-from onceflow.sources.kafka import SCHEMA, KafkaSource, cap_offsets, parse_options
+from onceflow.sources.kafka import SCHEMA, KafkaSource, KafkaStreamReader, cap_offsets, parse_options
 
 
 def run_available_now(df, tmp: Path, name: str = "out"):
@@ -70,6 +71,24 @@ def test_restart_continues_from_checkpoint_not_starting_offsets(spark, kafka_bro
     assert len(rows) == 42 and new == sorted(f"b{i}" for i in range(12))
     assert len({(r.partition, r.offset) for r in rows}) == 42
     assert last_checkpoint_offsets(tmp_path / "out-cp") == {topic_name: {str(p): 14 for p in range(3)}}
+
+
+def test_initial_offsets_are_kept_in_the_checkpoint_for_a_replayed_batch_0(kafka_broker, topic_name, tmp_path):
+    """A driver that dies during batch 0 leaves offsets/0 (the end) but not its start; Spark
+    asks the source again. With the checkpoint known (onceflow Jobs pass it), the first answer
+    is reused, so 'latest' does not move forward and skip records."""
+    create_topic(kafka_broker, topic_name, 2)
+    produce(kafka_broker, topic_name, ["a", "b"], partitions=2)
+    s = parse_options({"kafka.bootstrap.servers": kafka_broker, "subscribe": topic_name,
+                       "startingOffsets": "latest", "eventLog": str(tmp_path)})
+    first = KafkaStreamReader(s, SCHEMA).initialOffset()
+    assert first == {topic_name: {"0": 1, "1": 1}}
+    produce(kafka_broker, topic_name, ["c", "d"], partitions=2)
+    assert KafkaStreamReader(s, SCHEMA).initialOffset() == first  # a restarted driver
+    unkept = dataclasses.replace(s, event_log=None)
+    assert KafkaStreamReader(unkept, SCHEMA).initialOffset() == {topic_name: {"0": 2, "1": 2}}
+    other = dataclasses.replace(s, starting="earliest")  # another source config: not reused
+    assert KafkaStreamReader(other, SCHEMA).initialOffset() == {topic_name: {"0": 0, "1": 0}}
 
 
 def test_max_offsets_per_trigger_limits_each_batch(spark, kafka_broker, topic_name, tmp_path):

@@ -80,8 +80,8 @@ OPTIONS = {
     "groupId": "consumer group to commit processed offsets to, for lag monitoring only",
     "pollTimeoutMs": "max wait for a record that should exist while reading (default 120000)",
     "metadataTimeoutMs": "timeout of metadata/offset requests to the brokers (default 10000)",
-    "eventLog": "checkpoint directory whose onceflow event log records skipped data loss "
-                "(set by onceflow Jobs)",
+    "eventLog": "the query's checkpoint directory (set by onceflow Jobs): skipped data loss is "
+                "counted in its event log, the initial offsets of a new query are kept there",
 }
 _KNOWN = {k.lower(): k for k in OPTIONS}
 _FORBIDDEN_KAFKA = {
@@ -361,6 +361,36 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- driver: offsets --------------------------------------------------------------------
     def initialOffset(self) -> dict:
+        """Where a new query starts. Spark asks again when batch 0 is replayed after a crash
+        (its end is in ``offsets/0``, its start is not): with ``eventLog`` (the checkpoint,
+        set by onceflow Jobs) the first answer is kept there, as Spark's Kafka source keeps it
+        in ``sources/0``, so a replayed batch 0 reads the same range even for 'latest'."""
+        saved = self._initial_path()
+        if saved is not None:
+            from fsspec.core import url_to_fs
+
+            fs, path = url_to_fs(saved)
+            ident = self._identity()
+            if fs.exists(path):
+                with fs.open(path, "r") as f:
+                    kept = json.load(f)
+                if kept.get("source") == ident:
+                    return kept["offsets"]
+            offsets = self._initial()
+            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with fs.open(path, "w") as f:
+                json.dump({"source": ident, "offsets": offsets}, f)
+            return offsets
+        return self._initial()
+
+    def _initial_path(self) -> str | None:
+        return f"{self.s.event_log.rstrip('/')}/_onceflow/kafka-initial-offsets.json" if self.s.event_log else None
+
+    def _identity(self) -> str:
+        return json.dumps([self.s.bootstrap, sorted(self.s.topics), self.s.pattern, self.s.starting,
+                           self.s.starting_timestamp], sort_keys=True)
+
+    def _initial(self) -> dict:
         tps = self.cluster.partitions()
         if self.s.starting_timestamp is not None:
             found = self.cluster.list_offsets(tps, self.s.starting_timestamp)
