@@ -41,6 +41,12 @@ JOB = textwrap.dedent(
 )
 
 
+OTHER = """
+def transform(df):  # a different stateful operator at id 0
+    return df.groupBy("key").count().selectExpr("key AS id", "count AS running_count")
+"""
+
+
 def onceflow(*args: str, env: dict, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "onceflow", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
@@ -110,6 +116,13 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
                               "--checkpoint", str(tmp_path / "nowhere")], env=env)
         assert r.exit_code == 2 and msg in r.output, r.output
         assert not (tmp_path / "nowhere").exists()
+    # A different job: the driver's operator check (needs Spark) refuses; still nothing left.
+    (tmp_path / "other.py").write_text(JOB.replace("from onceflow.demo.job import transform", OTHER))
+    other = onceflow("run", str(tmp_path / "other.py"), "--from-savepoint", sp, "--checkpoint",
+                     str(tmp_path / "nowhere"), env=env)
+    _, err = other.communicate(timeout=180)
+    assert other.returncode == 2 and "operator 0 is StateStoreSave in the job" in err, err
+    assert not (tmp_path / "nowhere").exists()
 
     # Resume under 'onceflow run --from-savepoint', then 'onceflow stop --savepoint TARGET'.
     ckpt2 = CheckpointDir(str(tmp_path / "ckpt2"))
