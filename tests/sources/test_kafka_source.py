@@ -118,42 +118,35 @@ def test_cap_offsets_is_proportional_bounded_and_progresses():
 def test_new_topic_matching_pattern_is_read_from_its_start(spark, kafka_broker, topic_name):
     """New partitions appear while running. tansu refuses CreatePartitions, so the new
     partitions come from a new topic matching subscribePattern (same code path). The new topic
-    is created and filled right after a trigger ended, so the next trigger discovers it with
-    records already in it: a source that started new partitions at 'latest' would skip them."""
+    is created and filled right after a batch ended, well before the next trigger (6 s
+    interval), so the trigger that discovers it finds records already in it: a source that
+    started new partitions at 'latest' would skip them."""
     create_topic(kafka_broker, f"{topic_name}-a", 2)
     produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10)], partitions=2)
-    df = KafkaSource(kafka_broker, pattern=f"{topic_name}-.*", starting_offsets="latest").load(spark)
+    df = KafkaSource(kafka_broker, pattern=f"{topic_name}-.*", starting_offsets="earliest").load(spark)
     table = topic_name.replace("-", "_")
     q = (df.writeStream.format("memory").queryName(table)
-         .trigger(processingTime="5 seconds").start())
+         .trigger(processingTime="6 seconds").start())
 
     def values() -> list[str]:
         return sorted(r.value.decode() for r in spark.sql(f"select value from {table}").collect())
 
-    def wait_for(n: int) -> list[str]:
-        deadline = time.monotonic() + 60
-        while len(got := values()) < n and time.monotonic() < deadline and q.isActive:
-            time.sleep(0.3)
-        return got
-
-    def between_triggers() -> None:
-        """Return right after a trigger ended (the next one starts ~5 s later)."""
-        deadline = time.monotonic() + 30
-        while not q.status["isTriggerActive"]:
-            assert time.monotonic() < deadline and q.isActive, "no trigger ran"
-            time.sleep(0.02)
-        while q.status["isTriggerActive"]:
-            assert time.monotonic() < deadline and q.isActive, "trigger did not end"
+    def wait_for_batches(n: int) -> None:
+        """Return as soon as ``n`` batches with data have finished (the next trigger is due
+        6 s after the last one started)."""
+        deadline = time.monotonic() + 90
+        while sum(1 for p in q.recentProgress if p.numInputRows) < n:
+            assert time.monotonic() < deadline and q.isActive, f"fewer than {n} batches ran"
             time.sleep(0.02)
 
     try:
-        between_triggers()  # the query has planned its 'latest' start: topic -a begins at 10 records
+        wait_for_batches(1)  # a0..a9 (the first batch also starts the Python workers)
         produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10, 14)], partitions=2)
-        assert wait_for(4) == sorted(f"a{i}" for i in range(10, 14))
-        between_triggers()
+        wait_for_batches(2)  # a10..a13: a warm batch; the next trigger is seconds away
         create_topic(kafka_broker, f"{topic_name}-b", 3)
         produce(kafka_broker, f"{topic_name}-b", [f"b{i}" for i in range(9)], partitions=3)
-        assert wait_for(13) == sorted([f"a{i}" for i in range(10, 14)] + [f"b{i}" for i in range(9)])
+        wait_for_batches(3)
+        assert values() == sorted([f"a{i}" for i in range(14)] + [f"b{i}" for i in range(9)])
     finally:
         q.stop()
     assert q.exception() is None
