@@ -238,10 +238,10 @@ def assert_checkpoint_at_log_end(run: Run, bootstrap: str, topic: str) -> None:
 
 @pytest.mark.slow
 def test_kafka_to_postgres_two_phase_driver_sigkills_and_executor_loss(kafka_broker, pg, tmp_path):
-    total, kills = 120_000, 2
+    total, kills = 60_000, 2
     tag = uuid.uuid4().hex[:8]
     env = {"BOOTSTRAP": kafka_broker, "TOPIC": f"e2e-pg-{tag}", "GROUP": f"lag-{tag}",
-           "PER_TRIGGER": "15000", "SINK": "postgres", "DSN": pg.dsn, "TABLE": "kafka_events",
+           "PER_TRIGGER": "10000", "SINK": "postgres", "DSN": pg.dsn, "TABLE": "kafka_events",
            "MASTER": "local-cluster[2,1,1024]"}
     run, out = run_with_kills(tmp_path, kafka_broker, env, total, kills, kill_executor=True, seed=4)
     assert "Lost executor" in out or "ExecutorLostFailure" in out, "the executor loss went unnoticed"
