@@ -13,7 +13,13 @@ from confluent_kafka import Consumer, TopicPartition
 from kafka_broker import create_topic, delete_topic, produce
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import ConfigError
-from onceflow.sources.kafka import SCHEMA, KafkaSource, KafkaStreamReader, cap_offsets, parse_options
+from onceflow.sources.kafka import (
+    SCHEMA,
+    KafkaSource,
+    KafkaStreamReader,
+    cap_offsets,
+    parse_options,
+)
 
 
 def run_available_now(df, tmp: Path, name: str = "out"):
