@@ -724,7 +724,7 @@ class KafkaDataSource(TwoPhaseCommitSink):
     def decision(self, lineage: str, batch_id: int) -> Decision | None:
         if self.mode != "exactly_once":
             return None
-        d = self._markers(lineage).refresh().decisions.get((self.sink_id, lineage, batch_id))
+        d = self._refreshed(lineage, set()).decisions.get((self.sink_id, lineage, batch_id))
         if d is None:
             return None
         return Decision(lineage, batch_id, d.get("fingerprint", "unknown"), d.get("handles", []))
