@@ -581,7 +581,8 @@ def test_doctor_reports_and_resolve_applies_recovery_rules(spark, pg, pg_noprepa
     assert checks["reachable"].ok and checks["max_prepared_transactions"].ok and checks["create_privilege"].ok
     dangling = checks["dangling_prepared_transactions"]
     assert not dangling.ok and "2 decided (to commit)" in dangling.detail and "2 undecided (to roll back)" in dangling.detail
-    assert "exactly-once" in checks["guarantees"].detail
+    assert "exactly-once" in checks["guarantees"].detail and "(idempotent upsert)" in checks["guarantees"].detail
+    assert "at least the write partitions of all two_phase" in checks["max_prepared_transactions"].detail
     report = resolve(db.dsn)
     assert (report.committed, report.rolled_back, report.skipped) == (2, 2, [])
     assert rows(db, f"SELECT count(*) FROM {decided_sink.table}") == [(1000,)]
@@ -614,6 +615,8 @@ def test_doctor_cli_lists_a_dangling_transaction_and_resolve_clears_it(pg):
     assert pg.password not in listed.output + resolved.output
     assert rows(db, "SELECT count(*) FROM t") == [(0,)]
     assert runner.invoke(doctor, ["--postgres", db.dsn]).exit_code == 0
+    listing = runner.invoke(doctor, [])
+    assert "mode=idempotent write=upsert: exactly-once effect (idempotent upsert)" in listing.output
     bad = runner.invoke(doctor, ["--postgres", f"host=h password='{pg.password}"])
     assert bad.exit_code == 1 and "cannot parse the DSN" in bad.output and pg.password not in bad.output
 
@@ -632,3 +635,76 @@ def test_resolve_skips_a_lineage_whose_driver_is_running(pg):
     assert (report.committed, report.rolled_back, report.ok) == (0, 0, False)
     assert "running driver" in report.skipped[0]
     assert resolve(db.dsn).rolled_back == 1
+
+
+# ---- upsert constraints and the staging table ---------------------------------------------------
+
+
+def test_upsert_constraint_violation_fails_its_task_and_a_merge_failure_is_one_line(spark, pg, tmp_path):
+    """NOT NULL / CHECK are repeated on the staging table: a NULL into a NOT NULL column fails
+    its task before any decision (nothing decided, committed or left prepared). A foreign key is
+    only checked by the merge: it fails with a one-line error, the batch stays staged, and once
+    the parent rows exist recovery (here: doctor's resolve) merges it."""
+    from onceflow.sinks.postgres_doctor import resolve
+
+    db = Database(pg, f"constraints_{uid()}")
+    sink = make_sink(db, write="upsert", keys=["k"])
+    execute(db, f"CREATE TABLE {sink.table} (k bigint PRIMARY KEY, v bigint NOT NULL CHECK (v >= 0), label text)")
+    err = run_stream(spark, tmp_path / "a", sink, total=1000, per_batch=1000, timeout=60, transform=lambda df: df.selectExpr(
+        "id % 100 AS k", "CASE WHEN id = 500 THEN NULL ELSE id END AS v", "concat('v', id) AS label"))
+    assert err and f"a row of batch 1 violates a constraint of table {sink.table}: null value in column \"v\"" in err
+    assert "nothing of this batch was committed or decided" in err
+    assert rows(db, "SELECT count(*) FROM onceflow_commit_log WHERE sink = %s AND batch_id > 0", sink.sink_id) == [(0,)]
+    stage = sink.data_source().stage_table.as_string()
+    assert rows(db, f"SELECT count(*) FROM {stage}") == [(0,)] and rows(db, f"SELECT count(*) FROM {sink.table}") == [(0,)]
+    assert prepared(db, sink.sink_id) == []
+
+    execute(db, "CREATE TABLE parent (id bigint PRIMARY KEY)")
+    child = make_sink(db, write="upsert", keys=["k"])
+    execute(db, f"CREATE TABLE {child.table} (k bigint PRIMARY KEY, p bigint REFERENCES parent (id))")
+    err = run_stream(spark, tmp_path / "b", child, total=1000, per_batch=1000, timeout=60,
+                     transform=lambda df: df.selectExpr("id % 100 AS k", "id AS p"))
+    line = next((x for x in (err or "").splitlines() if "merging decided batch 1 of lineage" in x), "")
+    assert f'into table "{child.table}" failed' in line and "violates foreign key constraint" in line
+    assert "onceflow doctor --postgres DSN --resolve" in line
+    assert prepared(db, child.sink_id) == [] and rows(db, f"SELECT count(*) FROM {child.table}") == [(0,)]
+    execute(db, "INSERT INTO parent SELECT generate_series(0, 999)")
+    report = resolve(db.dsn)
+    assert (report.merged, report.skipped) == (1, [])
+    assert rows(db, f"SELECT count(*), min(p), max(p) FROM {child.table}") == [(100, 900, 999)]
+
+
+@pytest.mark.timeout(90)
+def test_staging_table_is_not_dropped_under_prepared_rows_and_decision_needs_no_commit_log(pg):
+    """Rows in prepared transactions are invisible to count(*): the staging table must not be
+    dropped (DROP would block on them, or drop a decided batch). And a decision look-up on a
+    database without onceflow's tables answers None (``run --from-savepoint`` pre-checks)."""
+    from pyspark.sql import types as T
+
+    db = Database(pg, f"stage_{uid()}")
+    sink = make_sink(db, write="upsert", keys=["k"])
+    assert sink.data_source().decision(str(uuid.uuid4()), 3) is None
+    execute(db, f"CREATE TABLE {sink.table} (k bigint PRIMARY KEY, v bigint NOT NULL CHECK (v > 0), label text)")
+    kv = T.StructType([T.StructField("k", T.LongType()), T.StructField("v", T.LongType())])
+    kvl = T.StructType([*kv.fields, T.StructField("label", T.StringType())])
+    source = sink.data_source()
+    source.validate(kv, False)
+    stage = source.stage_table.as_string()
+    with psycopg.connect(db.dsn, autocommit=True) as conn:  # the staging table repeats NOT NULL and CHECK
+        for bad in ("NULL", "0"):
+            with pytest.raises(psycopg.errors.IntegrityError):
+                conn.execute(f"INSERT INTO {stage} (_onceflow_lineage, _onceflow_batch, k, v) VALUES ('l', 1, 1, {bad})")
+        gid = f"onceflow:{sink.sink_id}:{uuid.uuid4()}:1:0:0:run"
+        conn.execute("BEGIN")
+        conn.execute(f"INSERT INTO {stage} (_onceflow_lineage, _onceflow_batch, k, v) VALUES ('l', 1, 1, 1)")
+        conn.execute(f"PREPARE TRANSACTION '{gid}'")
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match=r"holds an unfinished batch \(1 prepared transaction\(s\) of sink .*--resolve"):
+            sink.data_source().validate(kvl, False)
+        assert time.monotonic() - started < 10
+    finally:
+        execute(db, f"ROLLBACK PREPARED '{gid}'")
+    sink.data_source().validate(kvl, False)  # nothing pending: recreated with the new columns
+    assert [c for (c,) in rows(db, "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 4 "
+                                   "ORDER BY attnum", stage)] == ["k", "v", "label"]

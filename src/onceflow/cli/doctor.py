@@ -49,6 +49,10 @@ def _list_guarantees() -> None:
             except OnceflowError as e:
                 text = f"(cannot describe: {e})"
             click.echo(f"  {option}={mode}: {text}")
+        if fmt == "onceflow-postgres":  # idempotent upsert has its own guarantee
+            from onceflow.sinks.postgres_doctor import guarantees
+
+            click.echo(f"  mode=idempotent write=upsert: {guarantees()[2]}")
 
 
 @click.command("doctor")
@@ -94,7 +98,8 @@ def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve:
                 failed |= not report.ok
                 # what resolve fixed is no longer a failure: judge the dangling check afresh
                 dangling = "dangling_prepared_transactions"
-                after = next(c for c in pg_doctor(postgres) if c.name == dangling)
+                again = pg_doctor(postgres)  # the first check instead if the server went away meanwhile
+                after = next((c for c in again if c.name == dangling), again[0])
                 _print(f"{dangling} after resolve", after.ok, after.detail)
                 checks = [after if c.name == dangling else c for c in checks]
             failed |= any(not c.ok for c in checks)

@@ -26,12 +26,21 @@ nothing staged) and recovery repeats it for decided batches that still have stag
 both modes **an upsert batch becomes visible atomically**, and no task waits on another task's
 row locks.
 
-Prepared-transaction slots: in two_phase every write task holds one from its PREPARE until the
-batch commits, so ``max_prepared_transactions`` must be at least the stream's write partitions
-(summed over concurrent queries on the server, plus room for retried task attempts); a task that finds no free slot fails with an
-error naming the setting. The password (in the DSN or the ``password`` option) never appears
-in errors, logs or ``repr``; pass it as the ``password`` option (which Spark redacts) when
-using plain ``writeStream``.
+Prepared-transaction slots (:data:`SLOT_RULE`): every write task of a two_phase batch holds one
+prepared transaction from its PREPARE until the batch commits, so ``max_prepared_transactions``
+must be at least the write partitions of all two_phase onceflow queries running against the
+server, plus the prepared transactions anything else holds there, plus headroom for speculative
+task attempts; a task that finds no free slot fails with an error naming the setting.
+
+Constraints in upsert: the staging table repeats the table's NOT NULL constraints and its CHECK
+constraints over the stream's columns, so a row violating them fails its task before the batch
+is decided. Foreign keys, other unique indexes and CHECKs involving other columns are only
+enforced by the merge; a merge that fails raises a one-line SinkError (the batch stays staged
+until the row or the constraint is fixed).
+
+The password (in the DSN or the ``password`` option) never appears in errors, logs or
+``repr``; pass it as the ``password`` option (which Spark redacts) when using plain
+``writeStream``.
 
 Safety invariants: a decision only lists gids that were still prepared when it was recorded,
 and an undecided gid is only rolled back under the same per-lineage lock after re-reading the
@@ -192,6 +201,13 @@ _TEXT_TYPES = {"text", "character varying", "character"}
 # Upsert staging table: (lineage, batch, partition, position of the row in its partition).
 STAGE_COLUMNS = {"_onceflow_lineage": "text", "_onceflow_batch": "bigint",
                  "_onceflow_partition": "integer", "_onceflow_seq": "bigint"}
+#: The one sizing rule for ``max_prepared_transactions`` (PREPARE error, doctor, docs).
+SLOT_RULE = (
+    "every write task of a two_phase batch holds one prepared transaction from its PREPARE until the "
+    "batch commits, so max_prepared_transactions must be at least the write partitions of all two_phase "
+    "onceflow queries running against the server, plus the prepared transactions anything else holds "
+    "there, plus headroom for speculative task attempts"
+)
 
 
 def _binary_pg_types(t: pa.DataType) -> set[str]:
@@ -318,6 +334,39 @@ def _copy(cur: psycopg.Cursor, target: sql.Composable, columns: list[str], batch
         if binary:
             cp.write(_PGCOPY_TRAILER)
     return rows
+
+
+# ---- upsert staging tables -----------------------------------------------------------------
+
+
+def _stage_meta(conn: psycopg.Connection, name: str) -> Any:
+    """The parsed comment of staging table ``name`` (SQL text), or None."""
+    comment = conn.execute("SELECT obj_description(to_regclass(%s), 'pg_class')", [name]).fetchone()[0]
+    try:
+        return json.loads(comment or "")
+    except ValueError:
+        return None
+
+
+def stage_tables(conn: psycopg.Connection, log_schema: str) -> list[tuple[sql.Identifier, dict[str, Any]]]:
+    """(staging table, metadata) of every onceflow upsert staging table in ``log_schema``; the
+    metadata (sink_id, table, keys, constraints) is the table's comment, so recovery and
+    ``onceflow doctor --resolve`` can merge without the job's options."""
+    found = conn.execute(
+        "SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = %s AND c.relkind = 'r' AND starts_with(c.relname, 'onceflow_stage_')",
+        [log_schema],
+    ).fetchall()
+    out = []
+    for name, comment in found:
+        try:
+            meta = json.loads(comment or "")
+        except ValueError:
+            continue
+        if isinstance(meta, dict) and {"sink_id", "table", "keys"} <= meta.keys():
+            out.append((sql.Identifier(log_schema, name), meta))
+    return out
 
 
 # ---- the fence -----------------------------------------------------------------------------
@@ -585,32 +634,87 @@ class PostgresDataSource(TwoPhaseCommitSink):
             "WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped ORDER BY attnum", [oid],
         ).fetchall())
 
+    def _stage_constraints(self, conn: psycopg.Connection, names: list[str]) -> dict[str, list]:
+        """The table's NOT NULL stream columns and its CHECK constraints [name, definition] that
+        involve stream columns only: what the staging table repeats."""
+        oid = conn.execute("SELECT to_regclass(%s)::oid", [self.table.as_string(conn)]).fetchone()[0]
+        not_null = [n for (n,) in conn.execute(
+            "SELECT attname::text FROM pg_attribute WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped "
+            "AND attnotnull AND attname::text = ANY(%s) ORDER BY attnum", [oid, names])]
+        checks = [list(r) for r in conn.execute(
+            "SELECT c.conname::text, pg_get_constraintdef(c.oid) FROM pg_constraint c "
+            "WHERE c.conrelid = %s AND c.contype = 'c' AND COALESCE((SELECT array_agg(a.attname::text) "
+            "FROM pg_attribute a WHERE a.attrelid = c.conrelid AND a.attnum = ANY(c.conkey)), '{}') <@ %s::text[] "
+            "ORDER BY 1", [oid, names])]
+        return {"not_null": not_null, "checks": checks}
+
+    def _stage_busy(self, conn: psycopg.Connection) -> str:
+        """Why the staging table must not be dropped now ('' if it may): staged rows, or prepared
+        transactions of this sink or holding locks on it (their rows are invisible to count(*))."""
+        pending = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(self.stage_table)).fetchone()[0]
+        prepared, locked = conn.execute(
+            "SELECT count(*), EXISTS (SELECT 1 FROM pg_locks WHERE relation = %s::regclass AND pid IS NULL) "
+            "FROM pg_prepared_xacts WHERE database = current_database() AND starts_with(gid, %s)",
+            [self.stage_table.as_string(conn), f"onceflow:{self.sink_id}:"],
+        ).fetchone()
+        parts = [f"{pending} staged row(s)"] * bool(pending) + [f"{prepared} prepared transaction(s) of sink {self.sink_id}"] * bool(prepared)
+        return "; ".join(parts + ["a prepared transaction holding a lock on it"] * (locked and not prepared))
+
     def _ensure_stage_table(self, conn: psycopg.Connection, schema: T.StructType) -> None:
-        """The upsert staging table: STAGE_COLUMNS plus the stream's columns with the table's types."""
+        """The upsert staging table: STAGE_COLUMNS plus the stream's columns with the table's types,
+        NOT NULL and CHECK constraints (:meth:`_stage_constraints`), so a row the merge would refuse
+        for those fails its task before the batch is decided.
+
+        It is recreated when the stream's columns or the table's constraints changed, but only
+        while no batch is staged or prepared (else: ConfigError for changed columns; the old
+        constraints stay until then for changed constraints). DDL waits at most 10s for locks.
+        """
         target = self._column_types(conn, self.table) or {}
         want = STAGE_COLUMNS | {n: target[n] for n in schema.names}
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", [_key("onceflow-ddl")])
-            have = self._column_types(conn, self.stage_table)
-            if have is not None and have != want:
-                pending = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(self.stage_table)).fetchone()[0]
-                if pending:
-                    raise ConfigError(
-                        f"{FORMAT}: staging table {self.stage_table.as_string(conn)} holds {pending} row(s) of "
-                        f"an unfinished batch written with other columns than the stream's; run the job "
-                        "once more with its previous columns so recovery applies them, then change them"
-                    )
-                conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
-                have = None
-            if have is None:
-                conn.execute(sql.SQL("CREATE TABLE {} AS SELECT {}, {} FROM {} WITH NO DATA").format(
-                    self.stage_table,
-                    sql.SQL(", ").join(sql.SQL("NULL::{} AS {}").format(sql.SQL(t), sql.Identifier(n))
-                                       for n, t in STAGE_COLUMNS.items()),
-                    sql.SQL(", ").join(map(sql.Identifier, schema.names)), self.table,
-                ))
-            meta = {"sink_id": self.sink_id, "table": self.opts["table"], "keys": self.keys}
-            conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(self.stage_table, sql.Literal(json.dumps(meta))))
+        meta = {"sink_id": self.sink_id, "table": self.opts["table"], "keys": self.keys,
+                **self._stage_constraints(conn, schema.names)}
+        name = self.stage_table.as_string(conn)
+        try:
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [_key("onceflow-ddl")])
+                conn.execute("SET LOCAL lock_timeout = '10s'")
+                have = self._column_types(conn, self.stage_table)
+                if have is not None and (have != want or _stage_meta(conn, name) != meta):
+                    busy = self._stage_busy(conn)
+                    if busy and have != want:
+                        raise ConfigError(
+                            f"{FORMAT}: staging table {name} holds an unfinished batch ({busy}) written with "
+                            "other columns than the stream's; run the job once more with its previous columns "
+                            "(or 'onceflow doctor --postgres DSN --resolve' with the job stopped) so recovery "
+                            "applies it, then change them"
+                        )
+                    if busy:
+                        log.warning("%s: the constraints of table %s changed; staging table %s keeps the old "
+                                    "ones until its unfinished batch (%s) is merged", FORMAT, self.opts["table"], name, busy)
+                    else:
+                        conn.execute(sql.SQL("DROP TABLE {}").format(self.stage_table))
+                        have = None
+                if have is None:
+                    self._create_stage_table(conn, schema.names, meta)
+        except psycopg.errors.LockNotAvailable:
+            raise SinkError(
+                f"{FORMAT}: staging table {name} or table {self.opts['table']} stayed locked for 10s (another "
+                "session or a prepared transaction uses it); stop the other job of this sink, or resolve "
+                "prepared transactions with 'onceflow doctor --postgres DSN --resolve', then restart"
+            ) from None
+
+    def _create_stage_table(self, conn: psycopg.Connection, names: list[str], meta: dict[str, Any]) -> None:
+        conn.execute(sql.SQL("CREATE TABLE {} AS SELECT {}, {} FROM {} WITH NO DATA").format(
+            self.stage_table,
+            sql.SQL(", ").join(sql.SQL("NULL::{} AS {}").format(sql.SQL(t), sql.Identifier(n))
+                               for n, t in STAGE_COLUMNS.items()),
+            sql.SQL(", ").join(map(sql.Identifier, names)), self.table,
+        ))
+        alter = [sql.SQL("ALTER COLUMN {} SET NOT NULL").format(sql.Identifier(n)) for n in meta["not_null"]]
+        alter += [sql.SQL("ADD CONSTRAINT {} {}").format(sql.Identifier(c), sql.SQL(d)) for c, d in meta["checks"]]
+        if alter:
+            conn.execute(sql.SQL("ALTER TABLE {} {}").format(self.stage_table, sql.SQL(", ").join(alter)))
+        conn.execute(sql.SQL("COMMENT ON TABLE {} IS {}").format(self.stage_table, sql.Literal(json.dumps(meta))))
 
     def _merge(self, conn: psycopg.Connection, lineage: str, batch: int,
                stage: tuple[sql.Identifier, sql.Identifier, list[str]] | None = None) -> int:
@@ -631,32 +735,29 @@ class PostgresDataSource(TwoPhaseCommitSink):
                 sql.SQL("{0} = EXCLUDED.{0}").format(sql.Identifier(c)) for c in others))
             if others else sql.SQL("DO NOTHING")
         )
-        cur = conn.execute(sql.SQL(
-            "WITH staged AS (DELETE FROM {st} WHERE _onceflow_lineage = %s AND _onceflow_batch = %s RETURNING *) "
-            "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM staged "
-            "ORDER BY {keys}, _onceflow_partition DESC, _onceflow_seq DESC ON CONFLICT ({keys}) {action}"
-        ).format(st=st, t=table, cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
-                 keys=key_list, action=action), [lineage, batch])
+        try:
+            cur = conn.execute(sql.SQL(
+                "WITH staged AS (DELETE FROM {st} WHERE _onceflow_lineage = %s AND _onceflow_batch = %s RETURNING *) "
+                "INSERT INTO {t} ({cols}) SELECT DISTINCT ON ({keys}) {cols} FROM staged "
+                "ORDER BY {keys}, _onceflow_partition DESC, _onceflow_seq DESC ON CONFLICT ({keys}) {action}"
+            ).format(st=st, t=table, cols=sql.SQL(", ").join(map(sql.Identifier, cols)),
+                     keys=key_list, action=action), [lineage, batch])
+        except psycopg.OperationalError:
+            raise  # unreachable server: retried
+        except psycopg.DatabaseError as e:
+            raise SinkError(
+                f"{FORMAT}: merging decided batch {batch} of lineage {lineage} into table "
+                f"{table.as_string(conn)} failed: {e.diag.message_primary}; the batch stays staged in "
+                f"{st.as_string(conn)} and every recovery retries it: fix the row there, the row it references, "
+                "or the table's constraint (foreign keys are only checked at the merge), then restart the job or run "
+                "'onceflow doctor --postgres DSN --resolve'"
+            ) from None
         return cur.rowcount
 
     def _stages(self, conn: psycopg.Connection) -> list[tuple[sql.Identifier, sql.Identifier, list[str]]]:
-        """(staging table, target table, keys) of this sink_id's upsert staging tables, read from
-        their comments (so ``onceflow doctor --resolve`` can merge without the job's options)."""
-        found = conn.execute(
-            "SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_class c "
-            "JOIN pg_namespace n ON n.oid = c.relnamespace "
-            "WHERE n.nspname = %s AND c.relkind = 'r' AND starts_with(c.relname, 'onceflow_stage_')",
-            [self.log_schema],
-        ).fetchall()
-        out = []
-        for name, comment in found:
-            try:
-                meta = json.loads(comment or "")
-            except ValueError:
-                continue
-            if isinstance(meta, dict) and meta.get("sink_id") == self.sink_id:
-                out.append((sql.Identifier(self.log_schema, name), sql.Identifier(*meta["table"].split(".")), meta["keys"]))
-        return out
+        """(staging table, target table, keys) of this sink_id's upsert staging tables."""
+        return [(st, sql.Identifier(*meta["table"].split(".")), meta["keys"])
+                for st, meta in stage_tables(conn, self.log_schema) if meta["sink_id"] == self.sink_id]
 
     def _merge_decided(self, conn: psycopg.Connection, lineage: str) -> int:
         """Upsert recovery: merge every decided batch of the lineage that still has staged rows."""
@@ -827,6 +928,12 @@ class PostgresDataSource(TwoPhaseCommitSink):
                 f"{e.diag.message_primary}{f' ({where_})' if where_ else ''}; widen the column or cast/truncate "
                 "it in the transform (nothing of this batch was committed; it is replayed after the restart)"
             ) from None
+        except psycopg.errors.IntegrityError as e:  # NOT NULL / CHECK (also repeated on the staging table)
+            raise SinkError(
+                f"{FORMAT}: a row of batch {task.batch_id} violates a constraint of table {self.opts['table']}: "
+                f"{e.diag.message_primary}; fix the row in the transform or the constraint (nothing of this "
+                "batch was committed or decided; it is replayed after the restart)"
+            ) from None
 
     def pre_commit(self, task: TaskInfo, schema: T.StructType, overwrite: bool, batches: Iterator) -> tuple[Any, int]:
         run = _run_id()
@@ -850,10 +957,9 @@ class PostgresDataSource(TwoPhaseCommitSink):
                         raise
                     raise SinkError(
                         f"{FORMAT}: PostgreSQL at {self.where} has no free prepared-transaction slot "
-                        f"({e.diag.message_primary}; {e.diag.message_hint or ''}): every write task of a "
-                        "two_phase batch holds one until the commit, so max_prepared_transactions must "
-                        "exceed the stream's write partitions (summed over concurrent onceflow queries); "
-                        "raise it (server restart) or coalesce() the stream to fewer partitions"
+                        f"({e.diag.message_primary}): {SLOT_RULE}; raise it (server restart), "
+                        "coalesce() the stream to fewer partitions, or resolve dangling prepared "
+                        "transactions (onceflow doctor --postgres DSN --resolve)"
                     ) from None
             # A decision recorded meanwhile cannot list this gid: do not leave it dangling.
             if self._is_decided(conn, task.lineage, task.batch_id):
@@ -897,11 +1003,15 @@ class PostgresDataSource(TwoPhaseCommitSink):
     # ---- driver ------------------------------------------------------------------------
 
     def decision(self, lineage: str, batch_id: int) -> Decision | None:
+        """The recorded decision, or None (also when the commit log does not exist yet)."""
         def run(conn: psycopg.Connection) -> Decision | None:
-            row = conn.execute(
-                sql.SQL("SELECT fingerprint, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table),
-                [self.sink_id, lineage, batch_id],
-            ).fetchone()
+            try:
+                row = conn.execute(
+                    sql.SQL("SELECT fingerprint, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table),
+                    [self.sink_id, lineage, batch_id],
+                ).fetchone()
+            except psycopg.errors.UndefinedTable:  # no commit log yet: nothing was ever decided here
+                return None
             return None if row is None else Decision(lineage, batch_id, row[0], list(row[1]))
 
         return self._retrying("decision lookup", run)

@@ -16,7 +16,14 @@ import psycopg
 from psycopg import sql
 
 from onceflow.errors import FencedError, OnceflowError
-from onceflow.sinks.postgres import GID, PostgresDataSource, split_dsn, where
+from onceflow.sinks.postgres import (
+    GID,
+    SLOT_RULE,
+    PostgresDataSource,
+    split_dsn,
+    stage_tables,
+    where,
+)
 
 
 @dataclass(frozen=True)
@@ -75,20 +82,10 @@ def _dangling(conn: psycopg.Connection, log_schema: str) -> dict[tuple[str, str]
 
 def _staged(conn: psycopg.Connection, log_schema: str) -> dict[tuple[str, str], int]:
     """(sink, lineage) -> staged upsert rows not yet merged (decided or not), per staging table comment."""
-    tables = conn.execute(
-        "SELECT c.relname, obj_description(c.oid, 'pg_class') FROM pg_class c JOIN pg_namespace n "
-        "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relkind = 'r' AND starts_with(c.relname, 'onceflow_stage_')",
-        [log_schema],
-    ).fetchall()
     out: dict[tuple[str, str], int] = defaultdict(int)
-    for name, comment in tables:
-        try:
-            sink = json.loads(comment or "")["sink_id"]
-        except (ValueError, KeyError, TypeError):
-            continue
-        for lineage, n in conn.execute(sql.SQL(
-            "SELECT _onceflow_lineage, count(*) FROM {} GROUP BY 1").format(sql.Identifier(log_schema, name))):
-            out[(sink, lineage)] += n
+    for table, meta in stage_tables(conn, log_schema):
+        for lineage, n in conn.execute(sql.SQL("SELECT _onceflow_lineage, count(*) FROM {} GROUP BY 1").format(table)):
+            out[(meta["sink_id"], lineage)] += n
     return out
 
 
@@ -112,9 +109,7 @@ def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
         in_use = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()[0]
         results.append(CheckResult(
             "max_prepared_transactions", mpt > 0,
-            f"{mpt} ({in_use} in use now): mode two_phase available; each write task of a batch holds "
-            "one until the batch commits, so keep the stream's write partitions, summed over "
-            "concurrent onceflow queries, below it" if mpt > 0 else
+            f"{mpt} ({in_use} in use now): mode two_phase available; {SLOT_RULE}" if mpt > 0 else
             "0: mode two_phase unavailable; set max_prepared_transactions (e.g. 64, restart needed) "
             "or use mode='idempotent'",
         ))
@@ -153,10 +148,14 @@ def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
                 "and waiting for their merge (the job's restart or --resolve merges decided ones)"
                 for (s, lineage), n in staged.items()),
         ))
-    two_phase = PostgresDataSource({"dsn": dsn, "table": "unused"}).describe_guarantee()
-    idempotent = PostgresDataSource({"dsn": dsn, "table": "unused", "mode": "idempotent"}).describe_guarantee()
-    results.append(CheckResult("guarantees", True, f"{two_phase}. {idempotent}"))
+    results.append(CheckResult("guarantees", True, ". ".join(guarantees())))
     return results
+
+
+def guarantees() -> list[str]:
+    """The guarantee of every mode and write kind (two_phase, idempotent append, idempotent upsert)."""
+    kinds = ({}, {"mode": "idempotent"}, {"mode": "idempotent", "write": "upsert", "keys": "k"})
+    return [PostgresDataSource({"dsn": "host=unused", "table": "unused", **k}).describe_guarantee() for k in kinds]
 
 
 def resolve(dsn: str, log_schema: str = "public") -> ResolveReport:
