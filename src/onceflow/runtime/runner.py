@@ -197,15 +197,13 @@ class JobRunner:
             status = query.status
             now = time.time()
             active = bool(status.get("isTriggerActive"))
-            if active:
-                active_since = active_since or now
+            active_since = (active_since or now) if active else None
+            # Idle = no batch ran and the source reported no data since idle_since. A trigger
+            # that is only asking the source for offsets (slow for Kafka) does not reset it.
+            if new or status.get("isDataAvailable") or (seen < 0 and query.lastProgress is None):
                 idle_since = None
             else:
-                active_since = None
-                if not status.get("isDataAvailable") and (seen >= 0 or query.lastProgress is not None):
-                    idle_since = idle_since or now
-                else:
-                    idle_since = None
+                idle_since = idle_since or now
             if cfg.batch_timeout_s and active_since and now - active_since > cfg.batch_timeout_s:
                 query.stop()
                 raise RuntimeError(f"BatchTimeout: batch ran longer than {cfg.batch_timeout_s}s")
@@ -216,7 +214,8 @@ class JobRunner:
                 if not active or seen > stop_after:
                     query.stop()
                     return
-            if job.stop_when_idle is not None and idle_since and now - idle_since >= job.stop_when_idle:
+            if (job.stop_when_idle is not None and idle_since and not active
+                    and now - idle_since >= job.stop_when_idle):
                 query.stop()
                 return
 
