@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +96,14 @@ def test_initial_offsets_are_kept_in_the_checkpoint_for_a_replayed_batch_0(kafka
     assert KafkaStreamReader(unkept, SCHEMA).initialOffset() == {topic_name: {"0": 2, "1": 2}}
     other = dataclasses.replace(s, starting="earliest")  # another source config: not reused
     assert KafkaStreamReader(other, SCHEMA).initialOffset() == {topic_name: {"0": 0, "1": 0}}
+    assert KafkaStreamReader(s, SCHEMA).initialOffset() == first  # nor overwritten by it
+    # A file torn by a crash mid-write (offsets/0 cannot exist yet then) counts as absent.
+    kept = Path(KafkaStreamReader(s, SCHEMA)._initial_path())
+    kept.write_text(kept.read_text()[:20])
+    assert KafkaStreamReader(s, SCHEMA).initialOffset() == {topic_name: {"0": 2, "1": 2}}
+    assert json.loads(kept.read_text())["offsets"] == {topic_name: {"0": 2, "1": 2}}
+    assert sorted(p.name for p in kept.parent.iterdir() if p.name.startswith("kafka-")) == sorted(
+        Path(KafkaStreamReader(c, SCHEMA)._initial_path()).name for c in (s, other))
 
 
 def test_max_offsets_per_trigger_limits_each_batch(spark, kafka_broker, topic_name, tmp_path):
@@ -123,40 +132,42 @@ def test_cap_offsets_is_proportional_bounded_and_progresses():
 
 def test_new_topic_matching_pattern_is_read_from_its_start(spark, kafka_broker, topic_name):
     """New partitions appear while running. tansu refuses CreatePartitions, so the new
-    partitions come from a new topic matching subscribePattern (same code path). The new topic
-    is created and filled right after a batch ended, well before the next trigger (6 s
-    interval), so the trigger that discovers it finds records already in it: a source that
-    started new partitions at 'latest' would skip them."""
+    partitions come from a new topic matching subscribePattern (same code path). Batch 0's
+    sink holds the query while the new topic is created and filled (Spark plans the next batch
+    only after the running one finished), so the trigger that discovers it deterministically
+    finds records already in it: a source that started new partitions at 'latest' would skip
+    them."""
     create_topic(kafka_broker, f"{topic_name}-a", 2)
     produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10)], partitions=2)
     df = KafkaSource(kafka_broker, pattern=f"{topic_name}-.*", starting_offsets="earliest").load(spark)
-    table = topic_name.replace("-", "_")
-    q = (df.writeStream.format("memory").queryName(table)
-         .trigger(processingTime="6 seconds").start())
+    rows: list[tuple[int, str, int, int]] = []
+    inside, release = threading.Event(), threading.Event()
 
-    def values() -> list[str]:
-        return sorted(r.value.decode() for r in spark.sql(f"select value from {table}").collect())
+    def sink(batch, batch_id: int) -> None:  # runs on the driver, in this process
+        rows.extend((batch_id, r.value.decode(), r.partition, r.offset)
+                    for r in batch.select("value", "partition", "offset").collect())
+        if batch_id == 0:
+            inside.set()
+            release.wait(120)
 
-    def wait_for_batches(n: int) -> None:
-        """Return as soon as ``n`` batches with data have finished (the next trigger is due
-        6 s after the last one started)."""
-        deadline = time.monotonic() + 90
-        while sum(1 for p in q.recentProgress if p.numInputRows) < n:
-            assert time.monotonic() < deadline and q.isActive, f"fewer than {n} batches ran"
-            time.sleep(0.02)
-
+    q = df.writeStream.foreachBatch(sink).trigger(processingTime="1 second").start()
     try:
-        wait_for_batches(1)  # a0..a9 (the first batch also starts the Python workers)
-        produce(kafka_broker, f"{topic_name}-a", [f"a{i}" for i in range(10, 14)], partitions=2)
-        wait_for_batches(2)  # a10..a13: a warm batch; the next trigger is seconds away
+        assert inside.wait(90), "batch 0 did not run"
         create_topic(kafka_broker, f"{topic_name}-b", 3)
         produce(kafka_broker, f"{topic_name}-b", [f"b{i}" for i in range(9)], partitions=3)
-        wait_for_batches(3)
-        assert values() == sorted([f"a{i}" for i in range(14)] + [f"b{i}" for i in range(9)])
+        release.set()
+        deadline = time.monotonic() + 90
+        while len(rows) < 19:
+            assert time.monotonic() < deadline and q.isActive, f"only {len(rows)} of 19 records read"
+            time.sleep(0.1)
     finally:
+        release.set()
         q.stop()
     assert q.exception() is None
-    # the first batch that knew topic -b found its 3 records per partition already there
+    assert sorted(v for b, v, _, _ in rows if b == 0) == sorted(f"a{i}" for i in range(10))
+    new = sorted((p, o) for b, v, p, o in rows if v.startswith("b"))
+    assert new == [(p, o) for p in range(3) for o in range(3)]  # every record, from offset 0
+    assert len(rows) == 19
     ends = [json.loads(p.sources[0].endOffset) for p in q.recentProgress]
     first_b = next(e[f"{topic_name}-b"] for e in ends if f"{topic_name}-b" in e)
     assert first_b == {"0": 3, "1": 3, "2": 3}, "topic -b was discovered before it was filled"

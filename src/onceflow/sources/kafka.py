@@ -20,15 +20,19 @@ Guarantees:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import queue
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
@@ -363,28 +367,44 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def initialOffset(self) -> dict:
         """Where a new query starts. Spark asks again when batch 0 is replayed after a crash
         (its end is in ``offsets/0``, its start is not): with ``eventLog`` (the checkpoint,
-        set by onceflow Jobs) the first answer is kept there, as Spark's Kafka source keeps it
-        in ``sources/0``, so a replayed batch 0 reads the same range even for 'latest'."""
-        saved = self._initial_path()
-        if saved is not None:
-            from fsspec.core import url_to_fs
+        set by onceflow Jobs) the first answer is kept there, one file per source
+        configuration, as Spark's Kafka source keeps it in ``sources/0``, so a replayed batch 0
+        reads the same range even for 'latest'.
 
-            fs, path = url_to_fs(saved)
-            ident = self._identity()
-            if fs.exists(path):
-                with fs.open(path, "r") as f:
-                    kept = json.load(f)
-                if kept.get("source") == ident:
-                    return kept["offsets"]
-            offsets = self._initial()
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            with fs.open(path, "w") as f:
-                json.dump({"source": ident, "offsets": offsets}, f)
-            return offsets
-        return self._initial()
+        The file is written to a temporary name and renamed. An unreadable one (torn by a crash
+        of an older version mid-write) counts as absent: Spark writes ``offsets/0`` only after
+        this method returned, so no batch can have been planned from it."""
+        saved = self._initial_path()
+        if saved is None:
+            return self._initial()
+        from fsspec.core import url_to_fs
+
+        fs, path = url_to_fs(saved)
+        ident = self._identity()
+        try:
+            with fs.open(path, "r") as f:
+                kept = json.load(f)
+            if isinstance(kept, dict) and kept.get("source") == ident:
+                return kept["offsets"]
+        except FileNotFoundError:
+            pass
+        except ValueError as e:
+            log.warning("%s: %s is unreadable (%s); computing the initial offsets again", NAME, saved, e)
+        offsets = self._initial()
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with fs.open(tmp, "w") as f:
+            json.dump({"source": ident, "offsets": offsets}, f)
+        fs.mv(tmp, path)
+        return offsets
 
     def _initial_path(self) -> str | None:
-        return f"{self.s.event_log.rstrip('/')}/_onceflow/kafka-initial-offsets.json" if self.s.event_log else None
+        """``<checkpoint>/_onceflow/kafka-initial-offsets-<hash of the source's configuration>.json``:
+        two Kafka sources of one query keep their answers apart."""
+        if not self.s.event_log:
+            return None
+        key = hashlib.sha256(self._identity().encode()).hexdigest()[:16]
+        return f"{self.s.event_log.rstrip('/')}/_onceflow/kafka-initial-offsets-{key}.json"
 
     def _identity(self) -> str:
         return json.dumps([self.s.bootstrap, sorted(self.s.topics), self.s.pattern, self.s.starting,
@@ -523,25 +543,60 @@ def read_range(settings: Settings, schema: StructType,
 
     Stops when the consumer's position reaches ``end`` (control records included), not after a
     number of messages. Fails when offsets below ``end`` disappear, or when no progress is made
-    within ``pollTimeoutMs``.
+    within ``pollTimeoutMs``. A background thread fetches the next records while this one
+    builds Arrow batches (``consume`` releases the GIL); its errors are raised here.
     """
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
     from pyspark.sql.pandas.types import to_arrow_schema
 
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    chunks: queue.Queue = queue.Queue(maxsize=4)
+    done = threading.Event()
+
+    def pump() -> None:
+        try:
+            for msgs in _fetch(settings, part, batch_rows, done):
+                while not done.is_set():
+                    try:
+                        chunks.put(msgs, timeout=0.5)
+                        break
+                    except queue.Full:
+                        continue
+            chunks.put(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
+            chunks.put(e)
+
+    fetcher = threading.Thread(target=pump, name=f"onceflow-kafka-{part.topic}-{part.partition}",
+                               daemon=True)
+    fetcher.start()
+    try:
+        while (item := chunks.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield _batch(item, part.topic, part.partition, arrow_schema)
+    finally:
+        done.set()
+        fetcher.join(timeout=30)
+
+
+def _fetch(settings: Settings, part: KafkaInputPartition, batch_rows: int,
+           done: threading.Event) -> Iterator[list]:
+    """Lists of the range's records (up to ``batch_rows`` each); see :func:`read_range`."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
     read_fatal = _read_fatal_codes()
     t, p, end = part.topic, part.partition, part.end
     consumer = Consumer({
-        **settings.consumer_conf, "group.id": f"onceflow-reader-{uuid.uuid4().hex[:8]}",
+        **READER_DEFAULTS, **settings.consumer_conf,
+        "group.id": f"onceflow-reader-{uuid.uuid4().hex[:8]}",
         "enable.auto.commit": False, "enable.auto.offset.store": False,
         "auto.offset.reset": "error", "enable.partition.eof": False,
     })
-    cols: dict[str, list] = {f.name: [] for f in schema.fields}
+    msgs: list = []  # records of the batch being built; columns are made in one pass each
     pos = part.start
     try:
         consumer.assign([TopicPartition(t, p, pos)])
         deadline = time.monotonic() + settings.poll_timeout_ms / 1000
-        while pos < end:
+        while pos < end and not done.is_set():
             before = pos
             for m in consumer.consume(num_messages=min(batch_rows, end - pos), timeout=1.0):
                 err = m.error()
@@ -559,15 +614,15 @@ def read_range(settings: Settings, schema: StructType,
                 if off >= end:
                     pos = end
                     break
-                _append(cols, m)
+                msgs.append(m)
                 pos = off + 1
             if pos < end:  # control records / aborted data: the position moves past them
                 position = consumer.position([TopicPartition(t, p)])[0].offset
                 if position is not None and position > pos:
                     pos = min(position, end)
-            if len(cols["offset"]) >= batch_rows:
-                yield _batch(cols, arrow_schema)
-                cols = {k: [] for k in cols}
+            if len(msgs) >= batch_rows:
+                yield msgs
+                msgs = []
             if pos > before:
                 deadline = time.monotonic() + settings.poll_timeout_ms / 1000
             elif time.monotonic() > deadline:
@@ -575,8 +630,8 @@ def read_range(settings: Settings, schema: StructType,
                     f"{NAME}: topic {t} partition {p}: no record at offset {pos} within "
                     f"{settings.poll_timeout_ms} ms while reading [{part.start}, {end}); "
                     "is the broker reachable? raise pollTimeoutMs if it is just slow")
-        if cols["offset"]:
-            yield _batch(cols, arrow_schema)
+        if msgs:
+            yield msgs
     finally:
         consumer.close()
 
@@ -618,6 +673,10 @@ def record_data_loss(settings: Settings, topic: str, partition: int, start: int,
         log.warning("%s: could not record data loss in the event log: %s", NAME, e)
 
 
+# Executor reads fetch in large chunks (users may override them with kafka.* options).
+READER_DEFAULTS = {"fetch.max.bytes": 52_428_800, "max.partition.fetch.bytes": 10_485_760}
+
+
 def _read_fatal_codes() -> set[int]:
     from confluent_kafka import KafkaError
 
@@ -625,23 +684,31 @@ def _read_fatal_codes() -> set[int]:
             KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC}
 
 
-def _append(cols: dict[str, list], m) -> None:
-    ts_type, ts = m.timestamp()
-    cols["key"].append(m.key())
-    cols["value"].append(m.value())
-    cols["topic"].append(m.topic())
-    cols["partition"].append(m.partition())
-    cols["offset"].append(m.offset())
-    # confluent-kafka: 0 none, 1 create, 2 log-append; Spark/Java: -1, 0, 1.
-    cols["timestamp"].append(ts * 1000 if ts_type else None)
-    cols["timestampType"].append(ts_type - 1)
-    cols["headers"].append([{"key": k, "value": v} for k, v in (m.headers() or [])])
-
-
-def _batch(cols: dict[str, list], schema: pa.Schema) -> pa.RecordBatch:
+def _batch(msgs: list, topic: str, partition: int, schema: pa.Schema) -> pa.RecordBatch:
+    """Records of one topic partition -> an Arrow batch in Spark's Kafka source schema."""
+    n = len(msgs)
+    stamps = [m.timestamp() for m in msgs]
+    headers = [m.headers() for m in msgs]
+    cols = {
+        "key": [m.key() for m in msgs],
+        "value": [m.value() for m in msgs],
+        "topic": [topic] * n,
+        "partition": [partition] * n,
+        "offset": [m.offset() for m in msgs],
+        # confluent-kafka: 0 none, 1 create, 2 log-append; Spark/Java: -1, 0, 1.
+        "timestamp": [ts * 1000 if kind else None for kind, ts in stamps],
+        "timestampType": [kind - 1 for kind, _ in stamps],
+    }
     arrays = []
     for f in schema:
-        if f.name == "timestamp":
+        if f.name == "headers":
+            if any(headers):
+                rows = [[{"key": k, "value": v} for k, v in h] if h else [] for h in headers]
+                arrays.append(pa.array(rows, f.type))
+            else:  # the common case: no record has headers -> n empty lists, built in C
+                offsets = pa.array(np.zeros(n + 1, dtype=np.int32))
+                arrays.append(pa.ListArray.from_arrays(offsets, pa.array([], f.type.value_type)))
+        elif f.name == "timestamp":
             arrays.append(pa.array(cols[f.name], pa.int64()).cast(f.type))
         else:
             arrays.append(pa.array(cols[f.name], f.type))
