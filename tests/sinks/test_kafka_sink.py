@@ -193,6 +193,36 @@ def test_open_transaction_of_a_dead_attempt_is_fenced_not_waited_for(spark, kafk
     assert unverified and "NOT checked" in unverified[0]["detail"]  # skip_broker_probe is loud
 
 
+def test_restore_check_never_fences_a_live_jobs_transaction(kafka_broker, tmp_path):
+    """Forking a running job: the restore's roll back check reads the sink's decisions of the
+    job's live lineage. Unlike the sink's own reads it must not fence that job's open
+    transaction: it waits for it, fails with a clear error after the sink timeout, and the
+    live transaction still commits."""
+    from onceflow.errors import SinkError
+    from onceflow.savepoint.manifest import Manifest
+    from onceflow.savepoint.restore import RestoreRequest
+
+    lineage = f"L{uuid.uuid4().hex[:8]}"
+    conf = {"bootstrap.servers": kafka_broker}
+    _ensure_topic(conf, MARKER_TOPIC, 15)
+    txn = f"onceflow-kafka-{lineage}-p0"
+    live = Producer({**conf, "transactional.id": txn, "transaction.timeout.ms": 900_000})
+    live.init_transactions(10)
+    live.begin_transaction()
+    marker = {"type": "partition", "sink": "kafka", "lineage": lineage, "batch": 10**6,
+              "partition": 0, "attempt": 0, "rows": 0, "fingerprint": "unknown", "txn": txn}
+    live.produce(MARKER_TOPIC, json.dumps(marker).encode(), f"kafka/{lineage}".encode(), partition=0)
+    assert live.flush(10) == 0
+    manifest = Manifest("k", lineage, 3, [], [], None, None, "4", "0", 0.0, str(tmp_path / "gone"))
+    job = Job(name="k", source=seq_source(1, 1), sink=KafkaSink(kafka_broker, "t", timeout=8),
+              checkpoint=CheckpointConfig(str(tmp_path / "fork")))
+    check = RestoreRequest("unused", fork=True)
+    with pytest.raises(SinkError, match="an open transaction holds it"):
+        check._committed_after(manifest, job, str(tmp_path / "fork"))
+    live.commit_transaction(10)  # not fenced by the check
+    assert check._committed_after(manifest, job, str(tmp_path / "fork")) is None
+
+
 def test_at_least_once_is_explicit_and_works_on_tansu(spark, kafka_broker, topic_name, tmp_path):
     create_topic(kafka_broker, topic_name, 1)
     job = kafka_job(tmp_path, kafka_broker, topic_name, 200, mode="at_least_once")

@@ -265,8 +265,6 @@ class RestoreRequest:
     def _check_rescale(self, manifest: Manifest, ops: dict[int, str] | None, spark, job_given: bool) -> None:
         if self.rescale is None:
             return
-        if self.rescale < 1:
-            raise SavepointError(f"--rescale {self.rescale}: give a number of state partitions >= 1")
         stateful = manifest.stateful and (ops is None or bool(ops))
         if not stateful:
             raise SavepointError(
@@ -304,6 +302,8 @@ class RestoreRequest:
         nxt = last + 1
         if job is not None:
             sink = job.sink.data_source({"checkpointlocation": checkpoint_url})
+            # Forking a running job: its lineage is live, a read must not fence its transactions.
+            sink.fence_stale = False
             if sink.decision(manifest.lineage, nxt) is not None:
                 return f"the sink {job.sink.format_name} (it holds a decision for batch {nxt})"
         origin = CheckpointDir(manifest.created_from)

@@ -438,6 +438,9 @@ class KafkaDataSource(TwoPhaseCommitSink):
 
     format_name = FORMAT
     required_options = ("bootstrap_servers",)
+    #: False: reading markers never fences another transaction (restore checks set this, as a
+    #: live job of the same lineage may be running beside them).
+    fence_stale: bool = True
     options_doc = {
         "bootstrap_servers": "host:port[,host:port] of the Kafka cluster (required)",
         "topic": "topic to write to (else each row's topic column)",
@@ -585,17 +588,33 @@ class KafkaDataSource(TwoPhaseCommitSink):
         """The lineage's markers, read to the log end. A transaction that still holds the marker
         partition after a grace period belongs to a dead task of another partition (live tasks
         produce their marker last and commit right after): fence it instead of waiting up to
-        the timeout (a live but slow one then fails its commit and is retried, nothing is lost)."""
+        the timeout (a live but slow one then fails its commit and is retried, nothing is lost).
+        With ``fence_stale`` False (restore checks, which may run beside a live job of the same
+        lineage) nothing is fenced: the read waits up to the timeout. If the open transactions
+        cannot be listed or fenced, the read also just waits; after the timeout it raises
+        :class:`MarkerWait` (a :class:`SinkError`) naming the marker partition."""
+        from confluent_kafka import KafkaException
+
         markers = self._markers(lineage)
+        if not self.fence_stale:
+            return markers.refresh(wait=self.timeout)
         try:
             return markers.refresh(wait=min(5.0, self.timeout / 4))
         except MarkerWait:
-            stale = markers.uncommitted_txn_ids(self.sink_id, lineage) - own - {self.txn_id(lineage, "driver")}
+            try:
+                stale = markers.uncommitted_txn_ids(self.sink_id, lineage) - own - {self.txn_id(lineage, "driver")}
+            except KafkaException as e:
+                log.warning("%s: cannot list the transactions open on marker topic %s (%s); waiting "
+                            "for them instead", FORMAT, self.marker_topic, e.args[0])
+                stale = set()
             for txn in sorted(stale):
                 log.warning("%s: fencing transaction %s, open on the marker topic for too long", FORMAT, txn)
-                _transactional_producer(self.conf, txn, self.timeout, fresh=True)
+                try:
+                    _transactional_producer(self.conf, txn, self.timeout, fresh=True)
+                except SinkError as e:
+                    log.warning("%s: %s; waiting for the transaction instead", FORMAT, e)
                 _drop_producer(txn)
-            return markers.refresh()
+            return markers.refresh(wait=self.timeout)
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
         if self.mode != "exactly_once":
