@@ -205,3 +205,31 @@ def test_stop_checks_host_and_start_time_before_signalling(tmp_path):
     r = CliRunner().invoke(main, ["stop", ckpt])
     assert r.exit_code == 0 and "not running" in r.output
     assert not (tmp_path / "ckpt" / "_onceflow" / "stop_request.json").exists()
+
+
+def test_stop_request_is_consumed_and_never_outlives_its_stop(tmp_path):
+    """The driver consumes the stop request whenever it was written (also before a supervisor
+    restart started this driver), and 'onceflow stop' removes a request no driver consumed
+    once the job stopped (here a stand-in supervisor that just dies of the SIGTERM), so a
+    later run never acts on it."""
+    import socket
+    import threading
+
+    from onceflow.checkpoint.eventlog import EventLog
+    from onceflow.runtime.supervisor import process_start_time
+    from onceflow.savepoint.operations import _write_request, stop_job, take_stop_request
+
+    ckpt = str(tmp_path / "ckpt")
+    request = tmp_path / "ckpt" / "_onceflow" / "stop_request.json"
+    _write_request(ckpt, True, "/sp/here")
+    time.sleep(0.01)  # a driver started after the request was written
+    assert take_stop_request(ckpt)["target"] == "/sp/here"
+    assert not request.exists() and take_stop_request(ckpt) is None  # consumed
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    threading.Thread(target=child.wait, daemon=True).start()  # reaped: gone once dead
+    EventLog(ckpt).append("process_start", supervisor_pid=child.pid, host=socket.gethostname(),
+                          supervisor_started=process_start_time(child.pid), scope="process")
+    assert stop_job(ckpt, timeout=60, savepoint=True) == f"supervisor pid {child.pid}"
+    assert child.wait(10) == -signal.SIGTERM
+    assert not request.exists()

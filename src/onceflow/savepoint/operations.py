@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from fsspec.core import url_to_fs
@@ -166,23 +167,50 @@ def _live_supervisor(url: str, start: dict | None) -> int | None:
     return pid
 
 
-def _write_request(url: str, savepoint: bool, target: str | None) -> None:
+def _write_request(url: str, savepoint: bool, target: str | None) -> str:
+    """Leave the stop request for the driver; returns its id."""
     fs, path = url_to_fs(f"{url}/{STOP_REQUEST}")
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "w") as f:
-        json.dump({"ts": round(time.time(), 3), "savepoint": savepoint, "target": target}, f)
+    rid = uuid.uuid4().hex
+    with fs.open(f"{path}.tmp", "w") as f:
+        json.dump({"id": rid, "ts": round(time.time(), 3), "savepoint": savepoint, "target": target}, f)
+    fs.mv(f"{path}.tmp", path)
+    return rid
 
 
-def take_stop_request(checkpoint_url: str, since: float) -> dict | None:
-    """The stop request written by ``onceflow stop`` at or after ``since`` (removed once read)."""
+def _read_request(checkpoint_url: str) -> tuple[dict | None, object, str]:
     fs, path = url_to_fs(f"{checkpoint_url.rstrip('/')}/{STOP_REQUEST}")
     try:
         with fs.open(path, "r") as f:
             req = json.load(f)
-        fs.rm(path)
     except (FileNotFoundError, ValueError):
-        return None
-    return req if float(req.get("ts", 0)) >= since else None
+        return None, fs, path
+    return (req if isinstance(req, dict) else None), fs, path
+
+
+def take_stop_request(checkpoint_url: str) -> dict | None:
+    """The stop request written by ``onceflow stop``, consumed (removed) once read.
+
+    Any request present is honoured, also one written before this driver started (the stop
+    raced a supervisor restart): a request nobody consumed is removed by ``onceflow stop``
+    itself once the job has stopped, so none survives into a later run."""
+    req, fs, path = _read_request(checkpoint_url)
+    try:
+        fs.rm(path)
+    except FileNotFoundError:
+        pass
+    return req
+
+
+def _drop_own_request(url: str, rid: str) -> None:
+    """After the job stopped: remove our request if no driver consumed it (e.g. the supervisor
+    was waiting to restart), so a later run does not act on it."""
+    req, fs, path = _read_request(url)
+    if req is not None and req.get("id") == rid:
+        try:
+            fs.rm(path)
+        except FileNotFoundError:
+            pass
 
 
 def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
@@ -214,7 +242,7 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
         return "nothing (the job was not running)"
     if target and "://" not in target:
         target = os.path.abspath(target)  # the driver's working directory may differ
-    _write_request(url, savepoint, target)
+    rid = _write_request(url, savepoint, target)
     log.info("stopping %s of %s (SIGTERM; the in-flight batch finishes first)", what, url)
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -226,9 +254,11 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
         else:
             stopped = not _alive(pid)
         if stopped and live_lease_holder(url) is None:
+            _drop_own_request(url, rid)
             return what
         time.sleep(poll)
-    raise SavepointError(f"{what} did not stop within {timeout:g}s; no savepoint was taken")
+    raise SavepointError(f"{what} did not stop within {timeout:g}s; no savepoint was taken yet (the "
+                         "stop request stays: when the job does stop, its driver acts on it)")
 
 
 def _stop_savepoint_since(url: str, since: float) -> str | None:
@@ -256,15 +286,18 @@ def savepoint_on_stop(checkpoint_url: str, job_name: str, started: float,
                       environ: dict | None = None) -> tuple[str, Manifest] | None:
     """The driver's stop-with-savepoint, after its query stopped on request (SIGTERM/SIGINT).
 
-    What to do comes from the stop request of ``onceflow stop`` if there is one (written after
-    ``started``), else from ``onceflow run``'s options: ``--no-savepoint-on-stop`` (no
+    What to do comes from the stop request of ``onceflow stop`` if there is one (also one
+    written before this driver's start at ``started``: the stop raced a supervisor restart),
+    else from ``onceflow run``'s options: ``--no-savepoint-on-stop`` (no
     savepoint), ``--savepoint-dir DIR`` (default ``CHECKPOINT_DIR/../savepoints``); the target
     is ``DIR/<job>-<batch>-<UTC time>``. Returns None when no savepoint is wanted or nothing
     was committed yet; raises when taking it fails.
     """
     environ = os.environ if environ is None else environ
     url = checkpoint_url.rstrip("/")
-    request = take_stop_request(url, started)
+    request = take_stop_request(url)
+    if request is not None and float(request.get("ts", 0)) < started:
+        log.info("acting on the stop request written before this driver started (%s)", request)
     if request is not None and not request.get("savepoint"):
         return None
     target = request.get("target") if request else None
