@@ -9,7 +9,6 @@ import sys
 import click
 from fsspec.core import url_to_fs
 
-from onceflow.checkpoint.eventlog import EVENTS_DIR
 from onceflow.cli.savepoint import restore_env_for_run, restore_options
 from onceflow.errors import OnceflowError
 from onceflow.runtime.driver import EXIT_CONFIG
@@ -21,6 +20,7 @@ from onceflow.runtime.supervisor import (
     apply_overrides,
 )
 from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV, SAVEPOINT_ON_STOP_ENV
+from onceflow.savepoint.restore import remove_if_only_onceflow
 
 
 @click.command("run")
@@ -82,19 +82,8 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     fs, path = url_to_fs(url)
     absent = not fs.exists(path)
     rc = Supervisor(target, strategy, url, env=env).run()
-    if restore.get("from_savepoint") and rc == EXIT_CONFIG and absent:
-        _remove_if_untouched(fs, path, url)
-    ctx.exit(rc)
-
-
-def _remove_if_untouched(fs, path: str, url: str) -> None:
-    """A refused restore into an absent checkpoint directory leaves it absent: remove what
-    this run created there if it holds only onceflow's own ``_onceflow/`` (event log)."""
-    try:
-        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(path, detail=False)]
-    except FileNotFoundError:
-        return
-    if set(names) <= {EVENTS_DIR}:
-        fs.rm(path, recursive=True)
+    if restore.get("from_savepoint") and rc == EXIT_CONFIG and absent and remove_if_only_onceflow(url):
         logging.getLogger("onceflow.supervisor").info(
             "the restore was refused; removed %s, which this run had created", url)
+    ctx.exit(rc)
+

@@ -191,7 +191,5 @@ def restore_env_for_run(checkpoint_url: str, from_savepoint: str | None, fork: b
         if fork or rescale is not None or allow_non_restored_state:
             raise SavepointError("--fork, --rescale and --allow-non-restored-state need --from-savepoint SP")
         return {}
-    if rescale is not None and rescale < 1:
-        raise SavepointError(f"--rescale {rescale}: give a number of state partitions >= 1")
     RestoreRequest(from_savepoint, fork, rescale, allow_non_restored_state).check(checkpoint_url, job=job)
     return restore_env(from_savepoint, fork, rescale, allow_non_restored_state)

@@ -15,6 +15,7 @@ import hashlib
 import mmap
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -78,14 +79,16 @@ def sha256_of(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, str]:
 
 
 _POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
     """One pool per process (threads are started once, not per savepoint)."""
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="onceflow-copy")
-    return _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="onceflow-copy")
+        return _POOL
 
 
 def _settle(futures: list[Future]) -> None:
