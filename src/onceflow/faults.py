@@ -73,7 +73,7 @@ def maybe_crash(
         if mode == "raise":
             raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")
         if mode == "kill_executor":
-            executor = _executor_jvm()
+            executor = executor_jvm()
             if executor is None:
                 raise InjectedCrash(f"{point}:kill_executor fired outside an executor JVM (use local-cluster)")
             os.kill(executor, signal.SIGKILL)
@@ -88,7 +88,7 @@ def maybe_crash(
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _executor_jvm() -> int | None:
+def executor_jvm() -> int | None:
     """The pid of the executor JVM (CoarseGrainedExecutorBackend) this process descends from."""
     pid = os.getppid()
     while pid > 1:

@@ -25,17 +25,7 @@ import signal
 import time
 
 from onceflow import CheckpointConfig, Job, PostgresSink, fixed_delay
-
-
-def executor_jvm(pid: int) -> int:
-    # The Python worker's ancestor that runs CoarseGrainedExecutorBackend.
-    while pid > 1:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"CoarseGrainedExecutorBackend" in f.read():
-                return pid
-        with open(f"/proc/{pid}/stat") as f:
-            pid = int(f.read().rsplit(")", 1)[1].split()[1])
-    raise RuntimeError("no executor JVM among this worker's ancestors")
+from onceflow.faults import executor_jvm
 
 
 def kill_my_executor_mid_batch(batches):
@@ -57,7 +47,8 @@ def kill_my_executor_mid_batch(batches):
                     "SELECT count(*) FROM pg_prepared_xacts WHERE gid ~ %s",
                     [f"^onceflow:postgres:[^:]+:{os.environ['KILL_BATCH']}:[0-9]+:[0-9]+:[^:]+$"],
                 ).fetchone()[0]
-            jvm = executor_jvm(os.getpid())
+            jvm = executor_jvm()
+            assert jvm is not None, "no executor JVM among this worker's ancestors"
             os.write(fd, f"{jvm} {pending}".encode())
             os.close(fd)
             os.kill(jvm, signal.SIGKILL)
