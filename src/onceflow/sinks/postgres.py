@@ -54,8 +54,9 @@ import hashlib
 import json
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -65,6 +66,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.pq import TransactionStatus
 from pyspark.sql import types as T
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
@@ -82,6 +84,8 @@ GID = re.compile(
 _SINK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _CSV = pacsv.WriteOptions(include_header=False)
 _R = TypeVar("_R")
+#: idle connections kept for reuse, one per (server, credentials, thread) in this process
+_IDLE: dict[tuple[str, str | None, int], psycopg.Connection] = {}
 
 # ---- DSN handling: the password never leaves this module in clear ---------------------------
 
@@ -508,21 +512,35 @@ class PostgresDataSource(TwoPhaseCommitSink):
             "a decided batch is committed by recovery, an undecided one is replayed"
         )
 
-    def _retrying(self, purpose: str, fn: Callable[[psycopg.Connection], _R]) -> _R:
-        """Run ``fn`` on a fresh connection; retry connection failures until commit_deadline."""
-        try:
-            for attempt in self._retry():
-                with attempt, self._connect(purpose) as conn:
-                    return fn(conn)
-        except psycopg.OperationalError as e:
-            raise self._unreachable(purpose, e) from None
-        raise AssertionError("unreachable")
+    @contextmanager
+    def _session(self, purpose: str) -> Iterator[psycopg.Connection]:
+        """An autocommit connection, reused across calls in this process (one per thread).
 
-    def _connect_retrying(self, purpose: str) -> psycopg.Connection:
+        It goes back for reuse only when the block succeeded and left no transaction open; after
+        any error it is closed, which also drops session-level advisory locks it may hold.
+        A reused connection that the server dropped meanwhile fails its first statement with
+        OperationalError, which :meth:`_retrying` answers with a fresh connection.
+        """
+        key = (self.conninfo, self.password, threading.get_ident())
+        conn = _IDLE.pop(key, None)
+        if conn is None or conn.closed:
+            conn = self._connect(purpose)
+        reusable = False
+        try:
+            yield conn
+            reusable = not conn.closed and conn.info.transaction_status == TransactionStatus.IDLE
+        finally:
+            if reusable:
+                _IDLE[key] = conn
+            else:
+                conn.close()
+
+    def _retrying(self, purpose: str, fn: Callable[[psycopg.Connection], _R]) -> _R:
+        """Run ``fn`` on a session; retry connection failures until commit_deadline."""
         try:
             for attempt in self._retry():
-                with attempt:
-                    return self._connect(purpose)
+                with attempt, self._session(purpose) as conn:
+                    return fn(conn)
         except psycopg.OperationalError as e:
             raise self._unreachable(purpose, e) from None
         raise AssertionError("unreachable")
@@ -938,11 +956,13 @@ class PostgresDataSource(TwoPhaseCommitSink):
     def pre_commit(self, task: TaskInfo, schema: T.StructType, overwrite: bool, batches: Iterator) -> tuple[Any, int]:
         run = _run_id()
         gid = f"onceflow:{self.sink_id}:{task.lineage}:{task.batch_id}:{task.partition}:{task.attempt}:{run}"
-        conn = self._connect_retrying("task")
-        with conn:
+        if self.mode == "two_phase":  # also proves the session alive before any row is consumed
+            self._retrying("task", lambda conn: self._clean_stale(conn, task, run))
+        else:
+            self._retrying("task", lambda conn: conn.execute("SELECT 1"))
+        with self._session("task") as conn:
             if self.mode == "idempotent":
                 return self._pre_commit_idempotent(conn, task, schema, batches)
-            self._clean_stale(conn, task, run)
             with conn.cursor() as cur:
                 cur.execute("BEGIN")
                 rows = self._write_rows(cur, task, schema, batches)
