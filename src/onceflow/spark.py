@@ -63,9 +63,24 @@ def get_spark(master: str = "local[2]", app_name: str = "onceflow", conf: dict |
 
 
 def register_all(spark) -> None:
-    """Register every onceflow data source (sources and sinks) with ``spark``."""
+    """Register every onceflow data source (sources and sinks) with ``spark`` and make it the
+    calling thread's active session (see :func:`activate`)."""
     from onceflow.sinks import registry as sink_registry
     from onceflow.sources import registry as source_registry
 
     for cls in sink_registry.data_sources() + source_registry.data_sources():
         spark.dataSource.register(cls)
+    activate(spark)
+
+
+def activate(spark) -> None:
+    """Make ``spark`` the active session of the calling thread's JVM thread.
+
+    Spark 4.3 finds a Python data source *sink* at ``writeStream.start()`` only through the
+    thread's active session: a query started from a Python thread that never had one (a job run
+    from a worker thread, a scheduler, a notebook kernel thread) fails with DATA_SOURCE_NOT_FOUND
+    although the source resolved fine. A no-op on Spark Connect sessions.
+    """
+    jvm = getattr(spark, "_jvm", None)
+    if jvm is not None:
+        jvm.org.apache.spark.sql.SparkSession.setActiveSession(spark._jsparkSession)

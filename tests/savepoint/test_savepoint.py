@@ -13,6 +13,8 @@ import json
 import os
 import re
 import shutil
+import threading
+import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -21,7 +23,7 @@ from deltalake import DeltaTable
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.demo.job import transform as running_count
-from onceflow.errors import OnceflowError
+from onceflow.errors import ConfigError, OnceflowError
 from onceflow.job import CheckpointConfig, Job
 from onceflow.runtime.restart import fixed_delay
 from onceflow.savepoint import (
@@ -38,11 +40,11 @@ from onceflow.sinks.delta import _FILE, DeltaSink
 KEYS = 16
 
 
-def seq(total: int, per_batch: int = 1000):
+def seq(total: int, per_batch: int = 1000, rate: int = 10_000_000):
     def source(spark):
         return (
             spark.readStream.format("onceflow-sequence")
-            .option("total", total).option("rows_per_second", 10_000_000)
+            .option("total", total).option("rows_per_second", rate)
             .option("max_rows_per_batch", per_batch).option("keys", KEYS).load()
         )
 
@@ -50,9 +52,9 @@ def seq(total: int, per_batch: int = 1000):
 
 
 def counting_job(ckpt, table, total, backend="hashmap", transform=running_count, name="counts",
-                 conf=None) -> Job:
+                 conf=None, rate=10_000_000) -> Job:
     return Job(
-        name=name, source=seq(total), transform=transform, sink=DeltaSink(str(table)),
+        name=name, source=seq(total, rate=rate), transform=transform, sink=DeltaSink(str(table)),
         checkpoint=CheckpointConfig(str(ckpt), interval=0, state_backend=backend),
         restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=0.5, spark_conf=conf or {},
     )
@@ -165,25 +167,50 @@ def test_roll_back_needs_fork_then_replays_under_a_new_lineage(spark, any_histor
     assert any(e["event"] == "restore" and e["mode"] == "rollback" for e in events)
 
 
-def test_fork_runs_as_a_new_writer_and_leaves_the_original_untouched(spark, history, tmp_path):
+def test_fork_runs_alongside_the_original_with_its_own_lineage(spark, history, tmp_path):
+    """The original job resumes from sp2 while a fork of sp2 runs at the same time, both writing
+    to the same Delta table: each keeps its own lineage, and neither disturbs the other."""
     table = tmp_path / "table"
     shutil.copytree(history["table"], table)
     original = tree(history["ckpt"])
-    ckpt = tmp_path / "ckpt"
-    counting_job(ckpt, table, 6000).run(spark=spark, from_savepoint=history["sp2"], fork=True)
-    fork = CheckpointDir(str(ckpt)).lineage
-    assert fork != history["lineage"]
-    assert tree(history["ckpt"]) == original  # the original job's checkpoint: not touched
-    # Both writers' rows side by side: the original's up to its savepoint, the fork's after it.
-    assert rows_by_lineage(table) == {history["lineage"]: expected(0, 4000), fork: expected(4000, 6000)}
-    restores = [e for e in EventLog(str(ckpt)).read() if e["event"] == "restore"]
-    assert [(e["mode"], e["savepoint_lineage"], e["lineage"]) for e in restores] == [
-        ("fork", history["lineage"], fork)]
-    # Without fork the same savepoint resumes (the sink holds nothing after batch 3).
-    again = RestoreRequest(history["sp2"]).apply(str(tmp_path / "c2"),
-                                                  job=counting_job(tmp_path / "c2", history["table"], 4000),
-                                                  spark=spark)
-    assert again.mode == "resume" and again.lineage == history["lineage"]
+    # 2000 more ids each at 250 ids/s: both queries commit for ~8 s, so their commits interleave.
+    runs = {
+        "original": (counting_job(tmp_path / "original", table, 6000, rate=250), {}),
+        "fork": (counting_job(tmp_path / "fork", table, 6000, rate=250, name="counts-fork"), {"fork": True}),
+    }
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        job, extra = runs[name]
+        try:  # two queries of one Spark session (so two query names), as in one driver
+            job.run(spark=spark, from_savepoint=history["sp2"], **extra)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors[name] = e
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in runs]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 120
+    while not any(q.name == "counts" for q in spark.streams.active) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # A third job named like a running one is refused up front, not restarted into a name clash.
+    with pytest.raises(ConfigError, match="already running in this Spark session"):
+        counting_job(tmp_path / "third", table, 6000).run(spark=spark)
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    lineage = {name: CheckpointDir(str(tmp_path / name)).lineage for name in runs}
+    assert lineage["original"] == history["lineage"] and lineage["fork"] != history["lineage"]
+    commits = {name: [e["ts"] for e in EventLog(str(tmp_path / name)).read() if e["event"] == "sink_commit"]
+               for name in runs}
+    assert min(commits["fork"]) < max(commits["original"]) and min(commits["original"]) < max(commits["fork"])
+    assert tree(history["ckpt"]) == original  # the original's old checkpoint: not touched
+    # Both writers' rows side by side: the original's whole run, the fork's from its savepoint on.
+    assert rows_by_lineage(table) == {history["lineage"]: expected(0, 6000), lineage["fork"]: expected(4000, 6000)}
+    restores = {name: [(e["mode"], e["savepoint_lineage"], e["lineage"])
+                       for e in EventLog(str(tmp_path / name)).read() if e["event"] == "restore"] for name in runs}
+    assert restores == {"original": [("resume", history["lineage"], history["lineage"])],
+                        "fork": [("fork", history["lineage"], lineage["fork"])]}
 
 
 def test_rescale_rocksdb_2_to_4_to_3_keeps_every_count(spark, tmp_path):

@@ -160,6 +160,12 @@ class JobRunner:
         return writer, source
 
     def _run_query(self, spark, started: float) -> None:
+        if any(q.name == self.job.name for q in spark.streams.active):
+            raise ConfigError(
+                f"job {self.job.name}: a query with this name is already running in this Spark "
+                "session (another job of the same name); give each job that runs at the same "
+                "time in one driver its own Job(name=...)"
+            )
         writer, source = self._build(spark)
         ckpt = CheckpointDir(self.url)
         with ExitStack() as stack:
