@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pyarrow.parquet as pq
@@ -20,6 +21,7 @@ from onceflow.cli.main import main
 from onceflow.cli.savepoint import restore_env_for_run
 from onceflow.runtime import driver
 from onceflow.runtime.supervisor import CHECKPOINT_ENV
+from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV
 from onceflow.verify.exactly_once import check_delta_table
 
 JOB = textwrap.dedent(
@@ -60,7 +62,7 @@ def wait_for_commits(ckpt: CheckpointDir, n: int, proc: subprocess.Popen) -> Non
         time.sleep(0.3)
 
 
-def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark, tmp_path, monkeypatch):
+def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark, tmp_path, monkeypatch, capsys):
     (tmp_path / "job.py").write_text(JOB)
     env = {**os.environ, "WORK": str(tmp_path), "TOTAL": "40000", "ONCEFLOW_SPARK_LOG_LEVEL": "ERROR"}
     ckpt = CheckpointDir(str(tmp_path / "ckpt"))
@@ -164,6 +166,37 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     rows = deltalake.DeltaTable(str(tmp_path / "table")).to_pyarrow_table(columns=["id", "running_count"])
     assert sorted(zip(rows["id"].to_pylist(), rows["running_count"].to_pylist(), strict=True)) == [
         (i, i // 16 + 1) for i in range(resumed_at + 3000)]
+
+    # A stop whose savepoint cannot be written (its directory would be under a regular file):
+    # the real driver stops, exits 4 with a one-line error, and the checkpoint stays usable.
+    (tmp_path / "blocker").write_text("not a directory")
+    monkeypatch.setenv(SAVEPOINT_DIR_ENV, str(tmp_path / "blocker" / "sps"))
+    monkeypatch.setenv("TOTAL", str(resumed_at + 60000))
+    for k in restore:
+        monkeypatch.delenv(k)
+    ckpt3 = CheckpointDir(str(ckpt3))
+    before = ckpt3.last_committed()
+
+    def sigterm_after_a_new_batch() -> None:
+        deadline = time.monotonic() + 120
+        while (ckpt3.last_committed() or 0) <= before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    capsys.readouterr()
+    threading.Thread(target=sigterm_after_a_new_batch, daemon=True).start()
+    try:
+        assert driver.main([str(tmp_path / "job.py")]) == driver.EXIT_SAVEPOINT_FAILED
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert "error: stopped, but the savepoint on stop failed" in err and f"the checkpoint {ckpt3.url} is intact" in err
+    r = CliRunner().invoke(main, ["savepoint", "create", ckpt3.url, str(tmp_path / "sp3")])
+    assert r.exit_code == 0, r.output
+    stopped_at = json.loads(open(tmp_path / "sp3" / "_savepoint.json").read())["source_offsets"][0]["next"]
+    assert resumed_at + 3000 < stopped_at < resumed_at + 60000
+    assert check_delta_table(str(tmp_path / "table"), stopped_at).ok
 
 
 def test_savepoint_cli_refusals(tmp_path):
