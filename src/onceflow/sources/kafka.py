@@ -581,7 +581,7 @@ def read_range(settings: Settings, schema: StructType,
 def _fetch(settings: Settings, part: KafkaInputPartition, batch_rows: int,
            done: threading.Event) -> Iterator[list]:
     """Lists of the range's records (up to ``batch_rows`` each); see :func:`read_range`."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 
     read_fatal = _read_fatal_codes()
     t, p, end = part.topic, part.partition, part.end
@@ -598,7 +598,13 @@ def _fetch(settings: Settings, part: KafkaInputPartition, batch_rows: int,
         deadline = time.monotonic() + settings.poll_timeout_ms / 1000
         while pos < end and not done.is_set():
             before = pos
-            for m in consumer.consume(num_messages=min(batch_rows, end - pos), timeout=1.0):
+            chunk = consumer.consume(num_messages=min(batch_rows, end - pos), timeout=1.0)
+            if chunk and not any(map(Message.error, chunk)) and chunk[0].offset() >= pos \
+                    and chunk[-1].offset() < end:  # the common case, without a per-record loop
+                msgs.extend(chunk)
+                pos = chunk[-1].offset() + 1
+                chunk = []
+            for m in chunk:
                 err = m.error()
                 if err is not None:
                     if err.code() in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
@@ -685,33 +691,41 @@ def _read_fatal_codes() -> set[int]:
 
 
 def _batch(msgs: list, topic: str, partition: int, schema: pa.Schema) -> pa.RecordBatch:
-    """Records of one topic partition -> an Arrow batch in Spark's Kafka source schema."""
+    """Records of one topic partition -> an Arrow batch in Spark's Kafka source schema.
+
+    Each column is built in one C-level pass (``map`` over the Message methods, numpy), so the
+    per-record Python work stays small next to the consumer's own."""
+    from confluent_kafka import Message
+
     n = len(msgs)
-    stamps = [m.timestamp() for m in msgs]
-    headers = [m.headers() for m in msgs]
-    cols = {
-        "key": [m.key() for m in msgs],
-        "value": [m.value() for m in msgs],
-        "topic": [topic] * n,
-        "partition": [partition] * n,
-        "offset": [m.offset() for m in msgs],
-        # confluent-kafka: 0 none, 1 create, 2 log-append; Spark/Java: -1, 0, 1.
-        "timestamp": [ts * 1000 if kind else None for kind, ts in stamps],
-        "timestampType": [kind - 1 for kind, _ in stamps],
-    }
+    # confluent-kafka timestamps: (type, ms) with type 0 none, 1 create, 2 log-append;
+    # Spark/Java's timestampType is -1, 0, 1.
+    stamps = np.array(list(map(Message.timestamp, msgs)), dtype=np.int64).reshape(n, 2)
+    kinds = stamps[:, 0]
     arrays = []
     for f in schema:
-        if f.name == "headers":
+        if f.name == "key":
+            arrays.append(pa.array(list(map(Message.key, msgs)), f.type))
+        elif f.name == "value":
+            arrays.append(pa.array(list(map(Message.value, msgs)), f.type))
+        elif f.name == "topic":
+            arrays.append(pa.repeat(pa.scalar(topic, f.type), n))
+        elif f.name == "partition":
+            arrays.append(pa.array(np.full(n, partition, dtype=np.int32), f.type))
+        elif f.name == "offset":
+            arrays.append(pa.array(np.fromiter(map(Message.offset, msgs), np.int64, n), f.type))
+        elif f.name == "timestamp":  # microseconds, null without a timestamp
+            arrays.append(pa.array(stamps[:, 1] * 1000, pa.int64(), mask=kinds == 0).cast(f.type))
+        elif f.name == "timestampType":
+            arrays.append(pa.array((kinds - 1).astype(np.int32), f.type))
+        elif f.name == "headers":
+            headers = list(map(Message.headers, msgs))
             if any(headers):
                 rows = [[{"key": k, "value": v} for k, v in h] if h else [] for h in headers]
                 arrays.append(pa.array(rows, f.type))
             else:  # the common case: no record has headers -> n empty lists, built in C
                 offsets = pa.array(np.zeros(n + 1, dtype=np.int32))
                 arrays.append(pa.ListArray.from_arrays(offsets, pa.array([], f.type.value_type)))
-        elif f.name == "timestamp":
-            arrays.append(pa.array(cols[f.name], pa.int64()).cast(f.type))
-        else:
-            arrays.append(pa.array(cols[f.name], f.type))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
