@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceflow.runner")
 
 # Exceptions (by class name) raised inside Spark that a restart cannot fix.
+_SOURCE_LOCK = threading.Lock()
 FATAL_MARKERS = ("FingerprintMismatch", "ConfigError", "FencedError")
 
 
@@ -137,8 +138,9 @@ class JobRunner:
         for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf}.items():
             if key.startswith("spark.sql."):  # session confs: apply to a given session too
                 spark.conf.set(key, value)
-        spark.conf.set("spark.onceflow.checkpointLocation", self.url)  # sources' event log (Kafka data loss)
-        df = job.source(spark)
+        with _SOURCE_LOCK:  # the session conf is read by job.source(): one job at a time per process
+            spark.conf.set("spark.onceflow.checkpointLocation", self.url)  # sources' event log (Kafka data loss)
+            df = job.source(spark)
         if job.transform is not None:
             df = job.transform(df)
         if not df.isStreaming:
