@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("onceflow.runner")
 
 # Exceptions (by class name) raised inside Spark that a restart cannot fix.
-_SOURCE_LOCK = threading.Lock()
 FATAL_MARKERS = ("FingerprintMismatch", "ConfigError", "FencedError")
+# Held while one job sets the session conf its source reads and builds that source.
+_SOURCE_LOCK = threading.Lock()
 
 
 class GaveUp(OnceflowError):
