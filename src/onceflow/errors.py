@@ -1,10 +1,18 @@
-"""User-facing errors. Every message says what is wrong and what to do."""
+"""User-facing errors. Every message says what is wrong and what to do.
+
+Each class carries ``fatal``: True when a restart cannot fix it (wrong configuration, a
+fingerprint mismatch, a driver fenced by a successor), False when it is an outage that the
+restart strategy waits out (a sink or broker unreachable). The runner and the supervisor
+decide by this attribute, never by matching message text.
+"""
 
 from __future__ import annotations
 
 
 class OnceflowError(Exception):
     """Base class: a problem the user can act on (printed as one line, no stack trace)."""
+
+    fatal: bool = True
 
 
 class ConfigError(OnceflowError):
@@ -20,12 +28,31 @@ class FingerprintMismatch(OnceflowError):
 
 
 class FencedError(OnceflowError):
-    """Another driver holds the fence for this lineage."""
+    """A newer driver incarnation holds the fence (epoch or lease) for this lineage.
+
+    Raised by every decide/commit of an older epoch; the driver that gets it stops its query
+    and exits as fenced (it is not restarted while the newer one holds the lease).
+    """
 
 
 class SinkError(OnceflowError):
-    """The sink system refused or cannot be reached."""
+    """The sink system refused or cannot be reached (an outage: restarted, not fatal)."""
+
+    fatal = False
+
+
+class JvmDied(OnceflowError):
+    """The driver's Spark JVM is gone while its Python process lives: restart the process."""
+
+    fatal = False
 
 
 class InjectedCrash(RuntimeError):
     """Raised by a fault-injection point configured for tests (never in production)."""
+
+
+#: Exception class names that, found in a Spark failure's text, carry an onceflow error
+#: raised inside Spark (a task or the commit runner) -> the class to re-raise in the driver.
+BY_NAME: dict[str, type[OnceflowError]] = {
+    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, FencedError, SinkError)
+}

@@ -153,13 +153,15 @@ def test_decision_found_beyond_recent_history_and_cleanup_keeps_committed_files(
     path = tmp_path / "table"
     path.mkdir()
     lineage = str(uuid.uuid4())
-    name = f"part-of-{lineage}-b0000000001-p00000-a0-0123456789ab.parquet"
+    ds = DeltaDataSource({"path": str(path)})
+    schema = StructType([StructField("id", LongType())])
+    ds.write_schema = schema
+    epoch = ds.open(lineage)
+    name = f"part-of-{lineage}-e{epoch}-b0000000001-p00000-a0-0123456789ab.parquet"
     data = pa.table({"id": pa.array([1, 2, 3], pa.int64())})
     pq.write_table(data, path / name)
     handle = {"path": name, "size": (path / name).stat().st_size, "rows": 3, "mtime": 0}
-    ds = DeltaDataSource({"path": str(path)})
-    schema = StructType([StructField("id", LongType())])
-    ds.decide(Decision(lineage, 1, "fp-1", [handle]), schema, False)
+    ds.decide(Decision(lineage, 1, "fp-1", [handle], epoch), schema, False)
     for i in range(210):  # more than any fixed look-back window
         write_deltalake(str(path), pa.table({"id": pa.array([100 + i], pa.int64())}), mode="append")
 
@@ -279,7 +281,7 @@ def test_sigkill_after_commit_then_second_driver_refused_then_takeover(tmp_path)
         wait_for(lambda: committed_batches(tmp_path) >= 8, 120, "the restarted driver to commit")
         third = start_driver(tmp_path, env)
         out, err = third.communicate(timeout=60)
-        assert third.returncode == 2 and "already running" in err, err
+        assert third.returncode == 5 and "already running" in err, err  # fenced by the lease
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=90)
         assert second.returncode == 0, second.stderr.read()

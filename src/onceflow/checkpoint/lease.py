@@ -1,9 +1,23 @@
-"""The driver fence on a checkpoint: one running driver per lineage.
+"""The driver lease on a checkpoint: refuses a second driver early; safety never depends on it.
 
-A lease file ``<checkpoint>/_onceflow/driver.lease`` names the holder (host, pid) and is
-renewed every ``renew_s``. A second driver is refused while the holder lives (same host:
-its pid exists; other host: its lease was renewed within ``ttl_s``). A holder killed with
-SIGKILL leaves the file behind; its successor on the same host takes over at once.
+Guarantee: at most one driver *believes* it holds the lease at any epoch, and a driver that
+learns it lost the lease stops its query. Exactly-once does not rest on this file (clocks,
+pauses and object-store listings can all lie): the sinks' fencing epochs do. The lease only
+makes the common cases (two ``onceflow run`` on one checkpoint, a successor taking over a
+dead driver) fast and clear.
+
+Layout: one record per holder, ``<checkpoint>/_onceflow/lease/<epoch>.json``, created with an
+exclusive create (``open(..., "xb")``: O_EXCL locally, a conditional put on object stores), so
+two drivers can never hold the same epoch. The holder is the record with the highest epoch.
+Each holder only ever rewrites its own record, so a renewal never overwrites a newer holder.
+
+* **acquire**: refused while the highest record's holder is alive (same host: its pid exists;
+  other host: renewed within ``ttl_s``), unless ``takeover=True`` (the supervisor saw it die).
+  Otherwise create ``<highest+1>.json``; losing that race is a FencedError.
+* **renew** (every ``renew_s``): if a higher epoch exists, or no renewal succeeded for
+  ``ttl_s``, the lease is *lost*: :attr:`DriverLease.lost` is set and the runner stops its
+  query (self-fencing). Records of older epochs are removed by the new holder; a released
+  record is kept (marked released) so epoch numbers only grow.
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ import uuid
 
 from fsspec.core import url_to_fs
 
-from onceflow.errors import FencedError
+from onceflow.errors import ConfigError, FencedError
 
 
 def _pid_alive(pid: int) -> bool:
@@ -31,70 +45,126 @@ def _pid_alive(pid: int) -> bool:
 
 
 class DriverLease:
-    """Exclusive, renewable lease on a checkpoint directory."""
+    """Exclusive, renewable, epoch-numbered lease on a checkpoint directory."""
 
     def __init__(self, checkpoint_url: str, job_name: str, ttl_s: float = 30.0, renew_s: float = 5.0):
-        self.url = f"{checkpoint_url.rstrip('/')}/_onceflow/driver.lease"
-        self.fs, self.path = url_to_fs(self.url)
+        self.url = f"{checkpoint_url.rstrip('/')}/_onceflow/lease"
+        self.fs, self.dir = url_to_fs(self.url)
         self.job_name, self.ttl_s, self.renew_s = job_name, ttl_s, renew_s
         self.token = uuid.uuid4().hex
+        self.epoch: int | None = None
+        #: set (with :attr:`lost_reason`) when a newer holder appeared or renewal kept failing
+        self.lost = threading.Event()
+        self.lost_reason = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _read(self) -> dict | None:
+    # ---- records ---------------------------------------------------------------------------
+
+    def _path(self, epoch: int) -> str:
+        return f"{self.dir}/{epoch:012d}.json"
+
+    def _epochs(self) -> list[int]:
         try:
-            with self.fs.open(self.path, "r") as f:
+            names = self.fs.ls(self.dir, detail=False)
+        except FileNotFoundError:
+            return []
+        out = []
+        for n in names:
+            base = n.rstrip("/").rsplit("/", 1)[-1]
+            if base.endswith(".json") and base[:-5].isdigit():
+                out.append(int(base[:-5]))
+        return sorted(out)
+
+    def _read(self, epoch: int) -> dict | None:
+        try:
+            with self.fs.open(self._path(epoch), "r") as f:
                 return json.load(f)
         except (FileNotFoundError, ValueError):
             return None
 
-    def _write(self) -> None:
-        record = {"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                  "job": self.job_name, "renewed": time.time()}
-        tmp = f"{self.path}.{self.token}"
-        with self.fs.open(tmp, "w") as f:
-            json.dump(record, f)
-        self.fs.mv(tmp, self.path)
+    def _record(self) -> dict:
+        return {"token": self.token, "epoch": self.epoch, "host": socket.gethostname(),
+                "pid": os.getpid(), "job": self.job_name, "renewed": time.time()}
 
-    def _holder_alive(self, rec: dict) -> bool:
-        if rec.get("token") == self.token:
+    def holder(self) -> dict | None:
+        """The record of the live holder (highest epoch), or None when nobody holds it."""
+        epochs = self._epochs()
+        rec = self._read(epochs[-1]) if epochs else None
+        return rec if rec and self._alive(rec) else None
+
+    def _alive(self, rec: dict) -> bool:
+        if rec.get("token") == self.token or rec.get("released"):
             return False
         if rec.get("host") == socket.gethostname():
             return _pid_alive(int(rec.get("pid", 0)))
         return time.time() - float(rec.get("renewed", 0)) < self.ttl_s
 
-    def acquire(self) -> DriverLease:
-        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
-        rec = self._read()
-        if rec and self._holder_alive(rec):
+    # ---- acquire / renew / release ---------------------------------------------------------
+
+    def acquire(self, takeover: bool = False) -> DriverLease:
+        """Take the next epoch; FencedError while a live driver holds the lease."""
+        self.fs.makedirs(self.dir, exist_ok=True)
+        epochs = self._epochs()
+        top = epochs[-1] if epochs else 0
+        rec = self._read(top) if epochs else None
+        if rec and not takeover and self._alive(rec):
             raise FencedError(
                 f"job {rec.get('job')!r} is already running on this checkpoint (pid {rec.get('pid')} "
-                f"on {rec.get('host')}); stop it first (SIGTERM or 'onceflow stop'), or use another "
-                "checkpoint directory for a second copy ('onceflow run --from-savepoint SP --fork')"
+                f"on {rec.get('host')}, lease epoch {top}); stop it first (SIGTERM or 'onceflow "
+                "stop'), or use another checkpoint directory for a second copy ('onceflow run "
+                "--from-savepoint SP --fork')"
             )
-        self._write()
-        time.sleep(0.05)
-        rec = self._read()
-        if not rec or rec.get("token") != self.token:
-            raise FencedError(f"another driver took the lease on {self.url} at the same moment; retry")
+        self.epoch = top + 1
+        try:
+            with self.fs.open(self._path(self.epoch), "xb") as f:
+                f.write(json.dumps(self._record()).encode())
+        except FileExistsError:
+            raise FencedError(f"another driver took the lease on {self.url} (epoch {self.epoch}) "
+                              "at the same moment; retry") from None
+        except (NotImplementedError, ValueError) as e:
+            raise ConfigError(f"the checkpoint filesystem of {self.url} cannot create files "
+                              f"exclusively ({e}); use a filesystem with conditional writes") from None
+        for old in epochs:  # older holders are gone or fenced: keep the directory small
+            try:
+                self.fs.rm(self._path(old))
+            except FileNotFoundError:
+                pass
         self._thread = threading.Thread(target=self._renew, name="onceflow-lease", daemon=True)
         self._thread.start()
         return self
 
     def _renew(self) -> None:
+        last_ok = time.monotonic()
         while not self._stop.wait(self.renew_s):
             try:
-                rec = self._read()
-                if rec and rec.get("token") == self.token:
-                    self._write()
-            except OSError:
-                continue
+                newer = [e for e in self._epochs() if e > (self.epoch or 0)]
+                if newer:
+                    self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})")
+                    return
+                tmp = f"{self._path(self.epoch or 0)}.{uuid.uuid4().hex[:8]}"
+                with self.fs.open(tmp, "w") as f:
+                    json.dump(self._record(), f)
+                self.fs.mv(tmp, self._path(self.epoch or 0))
+                last_ok = time.monotonic()
+            except OSError as e:
+                if time.monotonic() - last_ok > self.ttl_s:
+                    self._lose(f"the lease could not be renewed for {self.ttl_s:g}s ({e})")
+                    return
+
+    def _lose(self, reason: str) -> None:
+        self.lost_reason = reason
+        self.lost.set()
 
     def release(self) -> None:
+        """Mark the record released (kept, so epoch numbers keep growing); never a newer one."""
         self._stop.set()
-        rec = self._read()
-        if rec and rec.get("token") == self.token:
-            self.fs.rm(self.path)
+        if self.epoch is None or self.lost.is_set():
+            return
+        rec = self._read(self.epoch)
+        if rec and rec.get("token") == self.token and self._epochs()[-1:] == [self.epoch]:
+            with self.fs.open(self._path(self.epoch), "w") as f:
+                json.dump({**rec, "released": time.time()}, f)
 
     def __enter__(self) -> DriverLease:
         return self.acquire()

@@ -2,8 +2,10 @@
 
 Exit codes (read by the supervisor): 0 finished or stopped on request; 2 configuration or
 user error (do not restart); 3 the in-process restart strategy gave up (do not restart);
-4 stopped on request but the savepoint could not be taken; anything else, or death by a
-signal, is a crash (restart per strategy).
+4 stopped on request but the savepoint could not be taken; 5 fenced: a newer driver took over
+this lineage (not restarted while it holds the lease); 70 the Spark JVM died under this live
+Python process (a watchdog notices within a second; restarted like any crash); anything
+else, or death by a signal, is a crash (restart per strategy).
 
 SIGTERM/SIGINT stop with a savepoint (DESIGN.md section 7): the in-flight batch finishes (or,
 if it was only planned, is left to be replayed), the query stops, the lease is released,
@@ -22,9 +24,33 @@ import sys
 import threading
 import time
 
-from onceflow.errors import OnceflowError
+from onceflow.errors import FencedError, OnceflowError
 
-EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED = 0, 2, 3, 4
+EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED, EXIT_FENCED = 0, 2, 3, 4, 5
+EXIT_CRASHED, EXIT_JVM_DIED = 1, 70
+
+
+def watch_jvm(interval: float = 0.5) -> threading.Thread:
+    """Exit the process (code 70) as soon as the Spark JVM it launched has died.
+
+    A driver whose JVM was killed (the OOM killer picks the biggest process: the JVM) would
+    otherwise retry py4j calls forever while the supervisor sees a live process."""
+    def run() -> None:
+        from pyspark import SparkContext
+
+        while True:
+            time.sleep(interval)
+            sc = SparkContext._active_spark_context
+            proc = getattr(getattr(sc, "_gateway", None), "proc", None) if sc else None
+            if proc is not None and proc.poll() is not None:
+                print(f"error: the Spark JVM (pid {proc.pid}) exited with code {proc.returncode} "
+                      "under this driver; exiting as crashed so the supervisor restarts it",
+                      file=sys.stderr, flush=True)
+                os._exit(EXIT_JVM_DIED)
+
+    thread = threading.Thread(target=run, name="onceflow-jvm-watchdog", daemon=True)
+    thread.start()
+    return thread
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     started = time.time()
+    watch_jvm()
     try:
         from onceflow.savepoint.restore import restore_options_from_env
 
@@ -56,9 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP
+    except FencedError as e:
+        print(f"fenced: {e}", file=sys.stderr)
+        return EXIT_FENCED
     except OnceflowError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        return EXIT_CONFIG if e.fatal else EXIT_CRASHED
     if stop.is_set():
         return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
     return EXIT_OK

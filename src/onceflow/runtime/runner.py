@@ -1,12 +1,22 @@
-"""Running a Job in this process: pre-flight checks, the fence, the query, in-process restarts.
+"""Running a Job in this process: pre-flight checks, the lease, the sink's epoch, the query,
+in-process restarts.
 
-Query failures restart the query in-process per the job's RestartStrategy; errors that a
-restart cannot fix (bad configuration, fingerprint mismatch, fenced) stop at once with a
-one-line message. Each committed batch, start, restart and stop is appended to the event log.
+Before each query start the runner fixes the lineage (writing Spark's ``metadata`` when the
+checkpoint is new), opens the sink for it (:meth:`TwoPhaseCommitSink.open`: a new fencing
+epoch, then recovery) and passes the epoch to the query as the ``epoch`` option.
+
+Query failures, and outages (:class:`~onceflow.errors.SinkError`: a sink unreachable while
+opening, validating or committing), restart the query in-process per the job's
+RestartStrategy, with one log line per attempt saying what waits. Errors that a restart cannot
+fix (``fatal``: bad configuration, fingerprint mismatch, fenced) stop at once with a one-line
+message; a driver fenced by a successor (a newer sink epoch, or the lease lost) raises
+FencedError. A dead Spark JVM raises JvmDied (the process must restart). Each committed batch,
+start, restart and stop is appended to the event log.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -19,15 +29,20 @@ from fsspec.core import url_to_fs
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
-from onceflow.errors import CheckpointError, ConfigError, OnceflowError
+from onceflow.errors import (
+    BY_NAME,
+    CheckpointError,
+    ConfigError,
+    FencedError,
+    JvmDied,
+    OnceflowError,
+)
 
 if TYPE_CHECKING:
     from onceflow.job import Job
 
 log = logging.getLogger("onceflow.runner")
 
-# Exceptions (by class name) raised inside Spark that a restart cannot fix.
-FATAL_MARKERS = ("FingerprintMismatch", "ConfigError", "FencedError")
 # Held while one job sets the session conf its source reads and builds that source.
 _SOURCE_LOCK = threading.Lock()
 
@@ -40,13 +55,33 @@ class BatchTimeout(OnceflowError):
     """A batch ran longer than CheckpointConfig.batch_timeout."""
 
 
-def _fatal_message(text: str) -> str | None:
-    for marker in FATAL_MARKERS:
-        idx = text.find(f"onceflow.errors.{marker}: ")
-        if idx >= 0:
+def onceflow_error_in(text: str) -> OnceflowError | None:
+    """The first onceflow error named in a Spark failure's text (raised in a task or the
+    commit runner), rebuilt as its class with its one-line message; None if there is none."""
+    found: tuple[int, OnceflowError] | None = None
+    for name, cls in BY_NAME.items():
+        idx = text.find(f"onceflow.errors.{name}: ")
+        if idx >= 0 and (found is None or idx < found[0]):
             line = text[idx:].splitlines()[0]
-            return line.split(": ", 1)[1].replace(" SQLSTATE: 38000", "").strip()
-    return None
+            found = (idx, cls(line.split(": ", 1)[1].replace(" SQLSTATE: 38000", "").strip()))
+    return found[1] if found else None
+
+
+def jvm_alive(spark) -> bool:
+    """False when the session's JVM process (launched by this Python process) has exited."""
+    gateway = getattr(spark.sparkContext, "_gateway", None)
+    proc = getattr(gateway, "proc", None)
+    return proc is None or proc.poll() is None
+
+
+def ensure_lineage(ckpt: CheckpointDir) -> str:
+    """The checkpoint's lineage; for a new checkpoint, write Spark's ``metadata`` first (the
+    query id Spark then adopts), so the sink can be opened for it before the query starts."""
+    if not ckpt.exists():
+        ckpt.fs.makedirs(ckpt.path, exist_ok=True)
+        with ckpt.fs.open(ckpt._p("metadata"), "w") as f:
+            f.write(json.dumps({"id": str(uuid.uuid4())}, separators=(",", ":")))
+    return ckpt.lineage
 
 
 def check_checkpoint_dir(url: str) -> None:
@@ -86,8 +121,8 @@ class JobRunner:
         job = self.job
         check_checkpoint_dir(self.url)
         with ExitStack() as stack:
-            lease = DriverLease(self.url, job.name).acquire()
-            stack.callback(lease.release)
+            self.lease = DriverLease(self.url, job.name).acquire()
+            stack.callback(self.lease.release)
             spark = self.spark or self._spark()
             if self.restore is not None:
                 self.restore.apply(self.url, job=job, spark=spark)
@@ -99,15 +134,16 @@ class JobRunner:
                     self._run_query(spark, started)
                     self.events.append("stop", job=job.name, reason="stopped" if self.stop.is_set() else "finished")
                     return
-                except OnceflowError:
-                    raise
-                except Exception as e:  # a failed query: restart strategy decides
-                    text = str(e)
-                    fatal = _fatal_message(text)
-                    if fatal:
-                        self.events.append("failed", cause=fatal)
-                        raise OnceflowError(fatal) from None
-                    cause = _short_cause(text)
+                except Exception as e:  # a failed query or an outage: restart strategy decides
+                    error = e if isinstance(e, OnceflowError) else onceflow_error_in(str(e))
+                    if not jvm_alive(spark):
+                        self.events.append("failed", cause="the Spark JVM died")
+                        raise JvmDied("the driver's Spark JVM died (OOM killer?); the process must "
+                                      "restart (onceflow run does that)") from None
+                    if error is not None and error.fatal:
+                        self.events.append("failed", cause=str(error), error=type(error).__name__)
+                        raise error from None
+                    cause = str(error) if error is not None else _short_cause(str(e))
                     delay = job.restart_strategy.on_failure(time.time())
                     attempt += 1
                     if delay is None:
@@ -116,12 +152,23 @@ class JobRunner:
                             f"job {job.name} failed and the restart strategy "
                             f"{job.restart_strategy.describe()} gave up; last cause: {cause}"
                         ) from None
-                    log.warning("query failed (%s); restarting in %.1fs", cause, delay)
+                    log.warning("%s; %s; retry %d in %.1f s", cause, self._waiting(), attempt, delay)
                     self.events.append("restart", cause=cause, delay_s=delay, attempt=attempt, scope="query")
                     if self.stop.wait(delay):
                         self.events.append("stop", job=job.name, reason="stopped")
                         return
                     started = time.time()
+
+    def _waiting(self) -> str:
+        """What a restart leaves waiting: the batch planned but not committed, if any."""
+        try:
+            ckpt = CheckpointDir(self.url)
+            planned, done = ckpt.offset_batches(), ckpt.last_committed()
+        except (OSError, OnceflowError):
+            return "the job waits"
+        if planned and (done is None or planned[-1] > done):
+            return f"batch {planned[-1]} waits (replayed or rolled forward after the restart)"
+        return "no batch in flight"
 
     # ---- internals ---------------------------------------------------------------------
 
@@ -150,6 +197,7 @@ class JobRunner:
         if job.checkpoint.min_pause_s:
             sink_opts["min_pause"] = str(job.checkpoint.min_pause_s)
         source = job.sink.data_source({**sink_opts, "checkpointlocation": self.url})
+        source.write_schema = df.schema
         source.validate(df.schema, job.output_mode == "complete")
         writer = (
             df.writeStream.format(job.sink.format_name)
@@ -170,20 +218,14 @@ class JobRunner:
                 "time in one driver its own Job(name=...)"
             )
         writer, source = self._build(spark)
-        ckpt = CheckpointDir(self.url)
-        with ExitStack() as stack:
-            opener = getattr(source, "open", None)
-            if ckpt.exists():
-                if callable(opener):  # fence + recovery, held for the run
-                    stack.enter_context(opener(ckpt.lineage))
-                    opener = None
-                else:
-                    source.recover(ckpt.lineage)
-            query = writer.start()
-            stack.callback(_stop_quietly, query)
-            if callable(opener):
-                stack.enter_context(opener(query.id))
+        lineage = ensure_lineage(CheckpointDir(self.url))
+        epoch = source.open(lineage)  # new fencing epoch + recovery; SinkError while unreachable
+        self.events.append("sink_open", sink=job_sink_name(source), lineage=lineage, epoch=epoch)
+        query = writer.option("epoch", str(epoch)).start()
+        try:
             self._monitor(query, started)
+        finally:
+            _stop_quietly(query)
 
     def _monitor(self, query, started: float) -> None:
         job, cfg = self.job, self.job.checkpoint
@@ -192,7 +234,11 @@ class JobRunner:
         active_since: float | None = None
         idle_since: float | None = None
         stop_after: int | None = None  # batch id in flight when a stop was requested
+        lease = getattr(self, "lease", None)
         while True:
+            if lease is not None and lease.lost.is_set():
+                query.stop()
+                raise FencedError(f"job {job.name}: {lease.lost_reason}; this driver stopped its query")
             if query.awaitTermination(0.25):
                 self._record_progress(query, seen)
                 exc = query.exception()
@@ -248,6 +294,10 @@ class JobRunner:
                 state_bytes=sum(o.memoryUsedBytes for o in p.stateOperators),
             )
         return seen, new
+
+
+def job_sink_name(source) -> str:
+    return f"{source.format_name}:{source.opts.get('sink_id', '')}".rstrip(":")
 
 
 def _stop_quietly(query) -> None:

@@ -7,6 +7,8 @@ with ``ONCEFLOW_DRIVER_PGID`` set to that group, and reads the exit:
 * 2: configuration or user error (the driver printed it) -> return 2, no restart;
 * 3: the driver's in-process restart strategy gave up -> return 3, no restart;
 * 4: the driver was stopped on request but its savepoint failed -> return 4, no restart;
+* 5: the driver was fenced (a newer driver took over its lineage) -> return 5 while another
+  driver holds the checkpoint's lease; restart per strategy when nobody holds it;
 * anything else, or death by a signal (kill -9, OOM killer): a crash -> the restart strategy
   decides; when it gives up -> return 3.
 
@@ -39,7 +41,14 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.runtime.driver import EXIT_CONFIG, EXIT_GAVE_UP, EXIT_OK, EXIT_SAVEPOINT_FAILED
+from onceflow.checkpoint.lease import DriverLease
+from onceflow.runtime.driver import (
+    EXIT_CONFIG,
+    EXIT_FENCED,
+    EXIT_GAVE_UP,
+    EXIT_OK,
+    EXIT_SAVEPOINT_FAILED,
+)
 from onceflow.runtime.restart import RestartStrategy, parse
 
 if TYPE_CHECKING:
@@ -132,6 +141,7 @@ class Supervisor:
         self.child_cmd = tuple(child_cmd) if child_cmd else None
         self.stop_timeout, self.poll_interval = stop_timeout, poll_interval
         self.events = EventLog(checkpoint_url)
+        self.checkpoint_url = checkpoint_url
         self._proc: subprocess.Popen | None = None
         self._proc_done = False  # the driver has exited (its pid may be reaped any moment)
         self._stop_signal: str | None = None
@@ -171,6 +181,14 @@ class Supervisor:
                               EXIT_SAVEPOINT_FAILED: "savepoint_failed"}[rc]
                     self.events.append("stop", reason=reason, exit_code=rc, scope="process")
                     return rc
+                if rc == EXIT_FENCED:
+                    holder = DriverLease(self.checkpoint_url, "onceflow-supervisor").holder()
+                    if holder is not None:
+                        log.error("driver was fenced: pid %s on %s holds the lineage now; not "
+                                  "restarting", holder.get("pid"), holder.get("host"))
+                        self.events.append("stop", reason="fenced", exit_code=rc, scope="process",
+                                           holder=f"{holder.get('host')}:{holder.get('pid')}")
+                        return EXIT_FENCED
                 cause = describe_exit(rc)
                 delay = self.strategy.on_failure()
                 crash = {"cause": cause, "exit_code": rc, "crashed_at": round(crashed_at, 3),

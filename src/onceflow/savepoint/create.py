@@ -64,9 +64,7 @@ def spark_version() -> str:
 
 def live_lease_holder(checkpoint_url: str) -> dict | None:
     """The lease record of a live driver on this checkpoint, or None when it is stopped."""
-    probe = DriverLease(checkpoint_url, "onceflow-savepoint")
-    rec = probe._read()
-    return rec if rec and probe._holder_alive(rec) else None
+    return DriverLease(checkpoint_url, "onceflow-savepoint").holder()
 
 
 def default_savepoint_dir(checkpoint_url: str) -> str:

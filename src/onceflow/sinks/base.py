@@ -10,8 +10,20 @@ Vocabulary follows Flink's ``TwoPhaseCommitSinkFunction``:
 * **abort** (driver): roll back pre-committed handles that are not part of a decision.
 * **recover** (driver, on open): roll forward decided batches, roll back the rest.
 
+**Fencing.** Every driver incarnation holds an *epoch* for (sink, lineage), a number kept in
+the sink system and raised atomically by :meth:`TwoPhaseCommitSink.acquire_epoch` when the sink
+opens (:meth:`TwoPhaseCommitSink.open`). ``decide`` verifies, in the same atomic write that
+records the decision (one Delta log commit, one PostgreSQL transaction, one Kafka
+transaction), that the stored epoch is still the caller's; a call from an older epoch changes
+nothing and raises :class:`~onceflow.errors.FencedError`. So a driver that was paused (GC,
+SIGSTOP, VM freeze, partition) and wakes up after a successor opened the sink can never make
+anything visible. Recovery and clean-up only remove what an older or the same epoch wrote.
+The runner passes the epoch to tasks and the commit runner as the ``epoch`` option; a plain
+``writeStream`` without it gets an epoch per commit process (fencing then covers commit
+processes, not whole drivers: use :class:`~onceflow.Job` for that).
+
 A sink implementation subclasses :class:`TwoPhaseCommitSink` (the Spark data source) and fills
-in those five steps; the Spark plumbing, fingerprint check and crash points live here once.
+in those steps; the Spark plumbing, fingerprint check and crash points live here once.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from pyspark.sql.types import StructType
 
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
-from onceflow.errors import ConfigError, FingerprintMismatch
+from onceflow.errors import CheckpointError, ConfigError, FencedError, FingerprintMismatch
 from onceflow.faults import maybe_crash
 
 log = logging.getLogger(__name__)
@@ -39,6 +51,8 @@ SPARK_OPTIONS = frozenset({"checkpointlocation", "path", "queryname"})
 # Options every onceflow sink understands.
 COMMON_OPTIONS = {
     "lineage": "lineage (query id) to use instead of the checkpoint's; set by Job.run",
+    "epoch": "fencing epoch of this driver for (sink, lineage), from open(); set by Job.run",
+    "allow_unknown_fingerprint": "true: commit batches whose offsets/N cannot be read (unsafe for forks)",
     "min_pause": "seconds to wait after each batch's commit before the next batch",
     "test_crash_at": "tests only: fault injection rule, see onceflow.faults",
     "test_crash_markers": "tests only: directory recording fired fault rules",
@@ -67,6 +81,28 @@ class Decision:
     fingerprint: str
     #: None when the sink knows the batch is decided but no longer knows its handles.
     handles: list[Any] | None = field(default_factory=list)
+    #: the epoch of the driver that decided (None: recorded before epochs existed).
+    epoch: int | None = None
+
+    def same_as(self, other: Decision) -> bool:
+        """True when ``other`` is this very decision (a retried decide), not a rival one."""
+        return (self.fingerprint == other.fingerprint and self.epoch == other.epoch
+                and _handle_keys(self.handles) == _handle_keys(other.handles))
+
+
+def _handle_keys(handles: list[Any] | None) -> list[str] | None:
+    import json
+
+    return None if handles is None else sorted(json.dumps(h, sort_keys=True) for h in handles if h)
+
+
+def fenced(sink: str, lineage: str, mine: int | None, current: int | None, what: str) -> FencedError:
+    """The FencedError a call of an older epoch raises (nothing was changed)."""
+    return FencedError(
+        f"{sink}: {what} refused: this driver holds epoch {mine} of lineage {lineage}, but "
+        f"epoch {current} has opened the sink since (a newer driver took over while this one was "
+        "paused or cut off); nothing was changed. This driver stops; the newer one continues"
+    )
 
 
 @dataclass
@@ -110,6 +146,9 @@ class TwoPhaseCommitSink(DataSource, ABC):
     def __init__(self, options: Mapping[str, str]):
         super().__init__(options)
         self.opts = {k.lower(): v for k, v in options.items()}
+        #: the stream's schema once known (validate / streamWriter); a sink that creates its
+        #: target when it opens (Delta) needs it there.
+        self.write_schema: StructType | None = None
         known = set(self.options_doc) | set(COMMON_OPTIONS) | SPARK_OPTIONS
         unknown = sorted(set(self.opts) - known)
         if unknown:
@@ -129,6 +168,7 @@ class TwoPhaseCommitSink(DataSource, ABC):
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> TwoPhaseCommitWriter:
         """Called by Spark on the driver at query start and per commit; validates once per process."""
+        self.write_schema = schema
         key = repr((self.format_name, sorted(self.opts.items()), schema.json(), overwrite))
         if key not in self._validated:
             self.validate(schema, overwrite)
@@ -138,7 +178,9 @@ class TwoPhaseCommitSink(DataSource, ABC):
     # ---- what implementations fill in -------------------------------------------------
 
     def validate(self, schema: StructType, overwrite: bool) -> None:  # noqa: B027
-        """Driver, before the query starts: check options, reachability and schema."""
+        """Driver, before the query starts: check options, reachability and schema.
+
+        Wrong configuration raises ConfigError; an unreachable system raises SinkError."""
 
     @abstractmethod
     def is_decided(self, lineage: str, batch_id: int) -> bool:
@@ -156,7 +198,12 @@ class TwoPhaseCommitSink(DataSource, ABC):
 
     @abstractmethod
     def decide(self, decision: Decision, schema: StructType, overwrite: bool) -> None:
-        """Driver: record the decision durably in the sink system."""
+        """Driver: record the decision durably in the sink system.
+
+        Atomically with that write: the stored epoch must equal ``decision.epoch`` (else
+        FencedError, nothing written) and the batch must be undecided, or decided with this
+        very decision (:meth:`Decision.same_as`: a retry); a rival decision raises FencedError.
+        """
 
     @abstractmethod
     def commit(self, decision: Decision) -> None:
@@ -174,6 +221,31 @@ class TwoPhaseCommitSink(DataSource, ABC):
         recovery runs lazily in a fresh commit process); they must be left alone.
         """
 
+    @property
+    def epoch(self) -> int | None:
+        """This driver's fencing epoch (the ``epoch`` option), None before :meth:`open`."""
+        value = self.opts.get("epoch")
+        return int(value) if value not in (None, "") else None
+
+    @abstractmethod
+    def acquire_epoch(self, lineage: str) -> int:
+        """Driver, when the sink opens: atomically raise the (sink, lineage) epoch stored in
+        the sink system and return it (strictly greater than any earlier one). From then on
+        every decide of an older epoch fails with FencedError."""
+
+    def open(self, lineage: str) -> int:
+        """Driver, before the query starts: take a new epoch, then recover under it.
+
+        Returns the epoch; the runner passes it to the query as the ``epoch`` option. An
+        unreachable sink raises SinkError (the restart strategy waits it out).
+        """
+        epoch = self.acquire_epoch(lineage)
+        self.opts["epoch"] = str(epoch)
+        counts = self.recover(lineage)
+        if any(counts.values()):
+            log.warning("onceflow %s recovery for %s (epoch %d): %s", self.format_name, lineage, epoch, counts)
+        return epoch
+
     def describe_guarantee(self) -> str:
         """One line stating the guarantee of the configured mode (for ``onceflow doctor``)."""
         return "exactly-once: batch visible atomically after a durable decision"
@@ -183,6 +255,8 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
     """Spark's stream writer, translating its callbacks into the 2PC protocol."""
 
     _recovered: ClassVar[set[tuple[str, str]]] = set()
+    #: epochs taken by commit processes of plain writeStream queries (no ``epoch`` option).
+    _epochs: ClassVar[dict[str, int]] = {}
 
     def __init__(self, sink: TwoPhaseCommitSink, schema: StructType, overwrite: bool):
         self.sink, self.schema, self.overwrite = sink, schema, overwrite
@@ -228,22 +302,54 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             raise ConfigError(f"{self.sink.format_name}: a checkpointLocation is required")
         return ckpt.lineage
 
-    def _recover_once(self, lineage: str, in_flight: list) -> None:
-        key = (self.sink.format_name, lineage)
+    def _open_once(self, lineage: str, in_flight: list) -> int:
+        """The epoch: the ``epoch`` option (the runner opened the sink and recovered), else one
+        taken by this commit process on its first commit, followed by recovery."""
+        if self.sink.epoch is not None:
+            return self.sink.epoch
+        key = repr((self.sink.format_name, lineage, sorted(
+            (k, v) for k, v in self.sink.opts.items() if k not in ("checkpointlocation", "epoch"))))
+        if key not in self._epochs:
+            self._epochs[key] = self.sink.acquire_epoch(lineage)
+        self.sink.opts["epoch"] = str(self._epochs[key])
         if key not in self._recovered:
             counts = self.sink.recover(lineage, in_flight)
             if any(counts.values()):
                 log.warning("onceflow %s recovery for %s: %s", self.sink.format_name, lineage, counts)
             self._recovered.add(key)
+        return self._epochs[key]
+
+    def _fingerprint(self, ckpt: CheckpointDir | None, batch_id: int) -> str:
+        """Hash of ``offsets/N``; refusing to go on without it unless the user opted out."""
+        allow = self.sink.opts.get("allow_unknown_fingerprint", "").lower() in ("true", "1", "yes")
+        if ckpt is not None:
+            try:
+                return ckpt.offsets(batch_id).fingerprint
+            except CheckpointError as e:
+                if not allow:
+                    raise ConfigError(
+                        f"{self.sink.format_name}: cannot fingerprint batch {batch_id}: {e}; the sink "
+                        "must read offsets/N to tell a replay from a different batch under the same "
+                        "id. Give the driver read access to the checkpoint, or set "
+                        "allow_unknown_fingerprint=true to accept that risk"
+                    ) from None
+        elif not allow:
+            raise ConfigError(
+                f"{self.sink.format_name}: no checkpointLocation option: the sink cannot fingerprint "
+                "batches (hash of offsets/N), so a restored or edited checkpoint could silently skip "
+                "data. Set .option('checkpointLocation', ...) on writeStream, or "
+                "allow_unknown_fingerprint=true to accept that risk"
+            )
+        return "unknown"
 
     def commit(self, messages: list, batchId: int) -> None:
         started = time.monotonic()
         ckpt = self._checkpoint()
         lineage = self._lineage(ckpt, messages)
-        fingerprint = ckpt.offsets(batchId).fingerprint if ckpt else "unknown"
+        fingerprint = self._fingerprint(ckpt, batchId)
         present = [m for m in messages if m is not None]
         handles = [m.handle for m in present if not m.skipped and m.handle is not None]
-        self._recover_once(lineage, handles)
+        epoch = self._open_once(lineage, handles)
         rows = sum(m.rows for m in present if not m.skipped)
 
         existing = self.sink.decision(lineage, batchId)
@@ -265,7 +371,7 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             self._log(ckpt, batchId, lineage, 0, True, started)
             return
 
-        decision = Decision(lineage, batchId, fingerprint, handles)
+        decision = Decision(lineage, batchId, fingerprint, handles, epoch)
         maybe_crash("before_decide", batchId, None, self.sink.opts)
         self.sink.decide(decision, self.schema, self.overwrite)
         maybe_crash("after_decide", batchId, None, self.sink.opts)

@@ -7,6 +7,16 @@ log write, so the crash windows "after decide" and "mid-commit" cannot occur. A 
 batch finds the app transaction and writes nothing. Files of failed or speculative attempts
 are deleted after the batch commits and on recovery.
 
+Fencing: the epoch of (sink, lineage) is a second app transaction
+``onceflow-<sink>-<lineage>-epoch`` in the same Delta log. :meth:`DeltaDataSource.acquire_epoch`
+commits epoch+1 (creating the table if needed). :meth:`DeltaDataSource.decide` commits on top
+of exactly the snapshot it checked (``max_commit_retries=0``: Delta's put-if-absent of the next
+log version is the compare-and-swap), and that snapshot must show the caller's epoch as the
+latest and batch N undecided. A driver paused anywhere and resumed after a successor opened the
+sink therefore commits nothing: its snapshot is stale (the commit fails) or shows the newer
+epoch (FencedError). Task files carry their writer's epoch in their name; recovery deletes only
+orphans of older epochs, so a zombie never deletes a successor's files.
+
 Modes: ``append`` adds the batch's rows; ``complete`` replaces the table's contents with the
 batch's result in the same single commit. Guarantee for both: exactly-once.
 """
@@ -24,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
-from deltalake.exceptions import TableNotFoundError
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, create_table_with_add_actions
 from fsspec.core import url_to_fs
 from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
@@ -32,9 +42,14 @@ from pyspark.sql.types import StructType
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
-from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink
+from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
 
-_FILE = re.compile(r"^part-of-(?P<lineage>[0-9a-f-]{36})-b(?P<batch>\d+)-p(?P<part>\d+)-a(?P<att>\d+)-[0-9a-f]+\.parquet$")
+_FILE = re.compile(
+    r"^part-of-(?P<lineage>[0-9a-f-]{36})(?:-e(?P<epoch>\d+))?-b(?P<batch>\d+)-p(?P<part>\d+)"
+    r"-a(?P<att>\d+)-[0-9a-f]+\.parquet$"
+)
+#: Conditional commits lost to other writers of the table before giving up (SinkError).
+_MAX_CONFLICTS = 100
 
 
 def to_arrow_schema(schema: StructType) -> pa.Schema:
@@ -42,9 +57,9 @@ def to_arrow_schema(schema: StructType) -> pa.Schema:
     return _to_arrow_schema(schema, timezone="UTC")
 
 
-def _file_name(task: TaskInfo) -> str:
+def _file_name(task: TaskInfo, epoch: int | None) -> str:
     return (
-        f"part-of-{task.lineage}-b{task.batch_id:010d}-p{task.partition:05d}"
+        f"part-of-{task.lineage}-e{epoch or 0}-b{task.batch_id:010d}-p{task.partition:05d}"
         f"-a{task.attempt}-{uuid.uuid4().hex[:12]}.parquet"
     )
 
@@ -77,6 +92,9 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def app_id(self, lineage: str) -> str:
         return f"onceflow-{self.sink_id}-{lineage}"
+
+    def epoch_app_id(self, lineage: str) -> str:
+        return f"onceflow-{self.sink_id}-{lineage}-epoch"
 
     def _table(self) -> DeltaTable | None:
         try:
@@ -148,7 +166,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
         arrow_schema = to_arrow_schema(schema)
-        name = _file_name(task)
+        name = _file_name(task, self.epoch)
         fs, path = self._fs()
         rows = 0
         full = f"{path}/{name}"
@@ -185,10 +203,53 @@ class DeltaDataSource(TwoPhaseCommitSink):
         if meta is None:  # decided, but its commit entry is gone (log cleanup): files unknown
             return Decision(lineage, batch_id, "unknown", handles=None)
         files = meta.get("files", [])
-        return Decision(lineage, batch_id, meta.get("fingerprint", "unknown"), [{"path": p} for p in files])
+        return Decision(lineage, batch_id, meta.get("fingerprint", "unknown"),
+                        [{"path": p} for p in files], meta.get("epoch"))
+
+    def acquire_epoch(self, lineage: str) -> int:
+        """Commit epoch+1 of (sink, lineage) as an app transaction; create the table if needed."""
+        app = self.epoch_app_id(lineage)
+        for _ in range(_MAX_CONFLICTS):
+            table = self._table()
+            epoch = 1 if table is None else (table.transaction_version(app) or 0) + 1
+            props = CommitProperties(
+                custom_metadata={"onceflow": json.dumps({"lineage": lineage, "epoch": epoch})},
+                app_transactions=[Transaction(app, epoch)], max_commit_retries=0,
+            )
+            try:
+                if table is None:
+                    if self.write_schema is None:
+                        raise ConfigError(f"onceflow-delta: {self.table_url} does not exist and the "
+                                          "stream's schema is unknown; start the query to create it")
+                    create_table_with_add_actions(
+                        self.table_url, _delta_schema(to_arrow_schema(self.write_schema)), [],
+                        mode="append", commit_properties=props)
+                else:
+                    table.create_write_transaction([], "append", pa.schema(table.schema().to_arrow()),
+                                                   commit_properties=props)
+                return epoch
+            except CommitFailedError:
+                continue  # another commit landed first: read the log again
+            except (ConfigError, TableNotFoundError):
+                raise
+            except Exception as e:  # noqa: BLE001 - delta-rs raises several types
+                if table is None and "exist" in str(e).lower():
+                    continue  # created by someone else meanwhile
+                raise SinkError(f"onceflow-delta: cannot open {self.table_url} for lineage {lineage}: {e}") from e
+        raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
+                        "attempts to take an epoch; retried by the restart strategy")
 
     def decide(self, decision: Decision, schema: StructType, overwrite: bool) -> None:
-        """One Delta commit: add actions + app transaction = decision and commit at once."""
+        """One Delta commit: add actions + app transaction = decision and commit at once.
+
+        Steps, each on the same snapshot, with the fault it survives:
+        1. read the latest snapshot;
+        2. its epoch must be the caller's (a successor opened the sink: FencedError);
+        3. batch N must be undecided there, or decided with this very decision (a retry);
+        4. commit exactly on top of that snapshot (``max_commit_retries=0``): if anything was
+           committed since step 1 (a successor's epoch, a rival decision, another writer),
+           the log write fails and we start again at step 1.
+        """
         adds = [
             AddAction(
                 path=h["path"], size=h["size"], partition_values={}, modification_time=h["mtime"],
@@ -199,40 +260,56 @@ class DeltaDataSource(TwoPhaseCommitSink):
         props = CommitProperties(
             custom_metadata={
                 "onceflow": json.dumps({
-                    "lineage": decision.lineage, "batch": decision.batch_id,
+                    "lineage": decision.lineage, "batch": decision.batch_id, "epoch": decision.epoch,
                     "fingerprint": decision.fingerprint, "files": [h["path"] for h in decision.handles],
                 })
             },
             app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],
+            max_commit_retries=0,
         )
         mode = "overwrite" if overwrite else "append"
         arrow_schema = to_arrow_schema(schema)
-        table = self._table()
-        try:
-            if table is None:
-                create_table_with_add_actions(
-                    self.table_url, _delta_schema(arrow_schema), adds, mode="append",
-                    commit_properties=props,
-                )
-            else:
-                if not adds and mode == "append":
-                    # Nothing to add: still record the app transaction and fingerprint.
-                    pass
+        what = f"decide batch {decision.batch_id}"
+        for _ in range(_MAX_CONFLICTS):
+            table = self._table()
+            current = None if table is None else table.transaction_version(self.epoch_app_id(decision.lineage))
+            if current != decision.epoch:
+                raise fenced(self.format_name, decision.lineage, decision.epoch, current, what)
+            decided = table.transaction_version(self.app_id(decision.lineage))
+            if decided is not None and decided >= decision.batch_id:
+                stored = self.decision(decision.lineage, decision.batch_id)
+                if (stored is not None and stored.handles is not None and stored.epoch == decision.epoch
+                        and stored.fingerprint == decision.fingerprint
+                        and sorted(h["path"] for h in stored.handles)
+                        == sorted(h["path"] for h in decision.handles)):
+                    return  # our own earlier attempt landed
+                raise fenced(self.format_name, decision.lineage, decision.epoch, current,
+                             f"{what} (already decided by another commit)")
+            try:
                 table.create_write_transaction(adds, mode, arrow_schema, commit_properties=props)
-        except Exception as e:  # delta-rs raises several types; say what failed
-            raise SinkError(f"onceflow-delta: commit of batch {decision.batch_id} to {self.table_url} failed: {e}") from e
+                return
+            except CommitFailedError:
+                continue
+            except Exception as e:  # noqa: BLE001 - delta-rs raises several types; say what failed
+                raise SinkError(f"onceflow-delta: commit of batch {decision.batch_id} to "
+                                f"{self.table_url} failed: {e}") from e
+        raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
+                        f"attempts to commit batch {decision.batch_id}; retried by the restart strategy")
 
     def commit(self, decision: Decision) -> None:
         """Visible since :meth:`decide`; here only remove files of losing attempts.
 
-        Never deletes a file the decision lists; when the decision's file list is unknown
-        (its log entry was cleaned up) nothing is deleted at all.
+        Never deletes a file the decision lists, nor one written under a newer epoch than this
+        driver's; when the decision's file list is unknown (its log entry was cleaned up)
+        nothing is deleted at all.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
             return
         keep = {h["path"] for h in decision.handles}
-        self._remove_files(decision.lineage, lambda b, name: b == decision.batch_id and name not in keep)
+        mine = self.epoch
+        self._remove_files(decision.lineage, lambda b, e, name: b == decision.batch_id and name not in keep
+                           and (mine is None or e <= mine))
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         fs, path = self._fs()
@@ -241,15 +318,18 @@ class DeltaDataSource(TwoPhaseCommitSink):
                 fs.rm(f"{path}/{h['path']}") if fs.exists(f"{path}/{h['path']}") else None
 
     def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
-        """Delete this lineage's files that no decision references (except in-flight ones).
+        """Delete this lineage's files that no decision references, written under an older epoch.
 
         Orphans are files of batches after the last decided one, and files of the last decided
         batch that its decision does not list (a crash interrupted :meth:`commit`'s cleanup).
-        Files of earlier versions are never touched, so time travel keeps working.
+        Files of earlier versions are never touched, so time travel keeps working. Only files of
+        epochs older than this driver's are candidates: a file of this or a newer epoch may be
+        in flight (and no older epoch can decide any more, so an old orphan stays an orphan).
         """
         table = self._table()
         if table is None:
             return {"orphans_removed": 0}
+        mine = self.epoch
         version = table.transaction_version(self.app_id(lineage))
         last = -1 if version is None else version
         keep = {h["path"] for h in in_flight if h}
@@ -262,8 +342,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
         else:
             last_files = set()
 
-        def orphan(b: int, name: str) -> bool:
-            if name in keep:
+        def orphan(b: int, e: int, name: str) -> bool:
+            if name in keep or (mine is not None and e >= mine):
                 return False
             if b > last:
                 return True
@@ -272,12 +352,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
         return {"orphans_removed": self._remove_files(lineage, orphan)}
 
     def _remove_files(self, lineage: str, predicate) -> int:
+        """Delete this lineage's task files for which ``predicate(batch, epoch, name)`` holds."""
         fs, path = self._fs()
         removed = 0
         for full in fs.ls(path, detail=False):
             name = full.rstrip("/").rsplit("/", 1)[-1]
             m = _FILE.match(name)
-            if m and m["lineage"] == lineage and predicate(int(m["batch"]), name):
+            if m and m["lineage"] == lineage and predicate(int(m["batch"]), int(m["epoch"] or 0), name):
                 fs.rm(full)
                 removed += 1
         return removed
