@@ -3,7 +3,9 @@
 Set ``ONCEFLOW_CRASH_AT`` (or the sink option ``test_crash_at``) to ``point[@batch][:mode]`` (comma-separated for several):
 ``point`` is one of :data:`POINTS`; ``batch`` limits it to one batch id; ``mode`` is
 ``kill`` (SIGKILL the whole driver process group: a machine crash; only for drivers started
-in their own session, as ``onceflow run`` does), ``kill_executor`` (tasks only, on a cluster:
+in their own session, as ``onceflow run`` does), ``pause`` (SIGSTOP that same group and the
+firing process: a GC pause, VM freeze or partition; the marker file names the process group
+and pid to SIGCONT), ``kill_executor`` (tasks only, on a cluster:
 SIGKILL the executor JVM running the task - an executor lost at that point) or ``raise`` (the
 task or commit raises: an executor/task failure).
 A point fires at most once per ``ONCEFLOW_CRASH_MARKER_DIR`` (a marker file records it),
@@ -20,13 +22,14 @@ from onceflow.errors import InjectedCrash
 POINTS = (
     "before_precommit",  # task: before writing anything
     "after_precommit",  # task: after its transaction is durable but before returning
+    "after_decision_lookup",  # driver: looked up batch N's decision (none), nothing decided
     "before_decide",  # driver: all tasks pre-committed, nothing decided yet
     "after_decide",  # driver: decision durable, nothing visible yet
     "mid_commit",  # driver: some handles visible
     "after_commit",  # driver: batch visible, Spark has not written commits/N
 )
 
-MODES = ("kill", "kill_executor", "raise")
+MODES = ("kill", "kill_executor", "raise", "pause")
 
 
 def _rules(spec: str) -> list[tuple[str, int | None, str]]:
@@ -62,14 +65,24 @@ def maybe_crash(
     for name, batch, mode in _rules(spec):
         if name != point or (batch is not None and batch != batch_id):
             continue
+        # PySpark's worker daemon puts workers in their own process group, so target the
+        # driver's group: named by the supervisor, else the session leader (the driver was
+        # started with start_new_session, so its pid is both the session and group id).
+        # The process that fires may itself be outside that group (the streaming commit
+        # runner is forked by the worker daemon): it is stopped or killed too.
+        pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
         if marker_dir:
             marker = os.path.join(marker_dir, f"fired-{name}-{batch}")
             try:
                 fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
                 continue
-            os.write(fd, f"batch={batch_id} partition={partition}\n".encode())
+            os.write(fd, f"batch={batch_id} partition={partition} pgid={pgid} pid={os.getpid()}\n".encode())
             os.close(fd)
+        if mode == "pause":
+            os.killpg(pgid, signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return  # resumed by SIGCONT: carry on as a zombie would
         if mode == "raise":
             raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")
         if mode == "kill_executor":
@@ -78,12 +91,6 @@ def maybe_crash(
                 raise InjectedCrash(f"{point}:kill_executor fired outside an executor JVM (use local-cluster)")
             os.kill(executor, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-        # PySpark's worker daemon puts workers in their own process group, so target the
-        # driver's group: named by the supervisor, else the session leader (the driver was
-        # started with start_new_session, so its pid is both the session and group id).
-        # The process that fires may itself be outside that group (the streaming commit
-        # runner is forked by the worker daemon): it dies too, before doing anything more.
-        pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
         os.killpg(pgid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 

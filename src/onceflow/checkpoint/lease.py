@@ -15,7 +15,7 @@ Each holder only ever rewrites its own record, so a renewal never overwrites a n
   other host: renewed within ``ttl_s``), unless ``takeover=True`` (the supervisor saw it die).
   Otherwise create ``<highest+1>.json``; losing that race is a FencedError.
 * **renew** (every ``renew_s``): if a higher epoch exists, or no renewal succeeded for
-  ``ttl_s``, the lease is *lost*: :attr:`DriverLease.lost` is set and the runner stops its
+  ``ttl_s`` (default 30 s, or ``ONCEFLOW_LEASE_TTL_S``; renewal every ttl/6), the lease is *lost*: :attr:`DriverLease.lost` is set and the runner stops its
   query (self-fencing). Records of older epochs are removed by the new holder; a released
   record is kept (marked released) so epoch numbers only grow.
 """
@@ -47,7 +47,10 @@ def _pid_alive(pid: int) -> bool:
 class DriverLease:
     """Exclusive, renewable, epoch-numbered lease on a checkpoint directory."""
 
-    def __init__(self, checkpoint_url: str, job_name: str, ttl_s: float = 30.0, renew_s: float = 5.0):
+    def __init__(self, checkpoint_url: str, job_name: str, ttl_s: float | None = None,
+                 renew_s: float | None = None):
+        ttl_s = float(os.environ.get("ONCEFLOW_LEASE_TTL_S", 30.0)) if ttl_s is None else ttl_s
+        renew_s = ttl_s / 6 if renew_s is None else renew_s
         self.url = f"{checkpoint_url.rstrip('/')}/_onceflow/lease"
         self.fs, self.dir = url_to_fs(self.url)
         self.job_name, self.ttl_s, self.renew_s = job_name, ttl_s, renew_s

@@ -353,6 +353,8 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
         rows = sum(m.rows for m in present if not m.skipped)
 
         existing = self.sink.decision(lineage, batchId)
+        if existing is None:
+            maybe_crash("after_decision_lookup", batchId, None, self.sink.opts)
         if existing is not None:
             if existing.fingerprint != fingerprint and "unknown" not in (existing.fingerprint, fingerprint):
                 self.sink.abort(lineage, batchId, handles)

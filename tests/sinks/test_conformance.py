@@ -1,0 +1,372 @@
+"""The sink conformance suite: one behaviour contract, run against every sink and mode.
+
+Every transactional sink must keep each record's effect exactly once through:
+
+* the crash windows of the commit protocol (a fault in each: before pre-commit, after some
+  tasks pre-committed, after the decision lookup, before decide, after decide, mid-commit,
+  after commit before Spark's ``commits/N``), the query restarted in-process each time;
+* zombies: real driver processes, each on its own "host" (a UTS namespace), SIGSTOPped at
+  (i) after its decision lookup, (ii) with its tasks pre-committed, (iii) between decide and
+  commit. A successor takes the lease once the paused driver's renewals stop, opens the sink
+  under a newer epoch and commits the batch; the zombie then gets SIGCONT, must commit
+  nothing, and must exit as fenced (exit code 5).
+
+After each run an independent reader (not the sink's code) checks the output: every id
+exactly once, nothing dangling (orphan Parquet files, prepared transactions).
+
+Kafka runs on tansu, which does not hide aborted transactions from read_committed readers
+(the sink's probe refuses exactly_once there; here it is bypassed). In these windows no
+transaction that carries data is ever aborted, so counting every record is honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.job import CheckpointConfig, Job
+from onceflow.runtime.restart import fixed_delay
+from onceflow.verify.exactly_once import check_ids
+
+SINKS = ["delta", "postgres-two_phase", "postgres-idempotent", "kafka"]
+
+
+# ---- the sinks under test ----------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    """One sink and mode: how to build it, how to read its output independently."""
+
+    kind: str
+    env: dict[str, str]  # what the job file below needs to build the sink
+    read_ids: Callable[[], list[int]]
+    dangling: Callable[[], list[str]]
+    #: fault points this sink has (a mid-commit window only where commit is several steps)
+    points: tuple[str, ...] = ("before_precommit", "after_precommit", "after_decision_lookup",
+                               "before_decide", "after_decide", "mid_commit", "after_commit")
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def _delta_case(tmp_path: Path) -> Case:
+    from deltalake import DeltaTable
+
+    table = tmp_path / "table"
+
+    def read_ids() -> list[int]:
+        return DeltaTable(str(table)).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+
+    def dangling() -> list[str]:
+        import pyarrow as pa
+
+        adds = pa.table(DeltaTable(str(table)).get_add_actions(flatten=True)).column("path").to_pylist()
+        live = {os.path.basename(p) for p in adds}
+        return sorted(n for n in os.listdir(table) if n.endswith(".parquet") and n not in live)
+
+    return Case("delta", {"TABLE": str(table)}, read_ids, dangling)
+
+
+def _postgres_case(pg, mode: str) -> Case:
+    import psycopg
+
+    table = f"conf_{uuid.uuid4().hex[:8]}"
+    sink_id = f"c{uuid.uuid4().hex[:6]}"
+
+    def query(sql: str) -> list:
+        with psycopg.connect(pg.dsn, autocommit=True) as conn:
+            return conn.execute(sql).fetchall()
+
+    def read_ids() -> list[int]:
+        return [r[0] for r in query(f"SELECT id FROM {table}")]
+
+    def dangling() -> list[str]:
+        return [r[0] for r in query(f"SELECT gid FROM pg_prepared_xacts WHERE gid LIKE 'onceflow:{sink_id}:%'")]
+
+    points = Case.points if mode == "two_phase" else tuple(p for p in Case.points if p != "mid_commit")
+    return Case(f"postgres-{mode}", {"DSN": pg.dsn, "PGTABLE": table, "MODE": mode, "SINK_ID": sink_id},
+                read_ids, dangling, points)
+
+
+def _kafka_case(bootstrap: str) -> Case:
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kafka_broker import create_topic
+
+    topic = f"conf-{uuid.uuid4().hex[:8]}"
+    create_topic(bootstrap, topic, 2)
+
+    def read_ids() -> list[int]:
+        c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"v-{uuid.uuid4().hex[:6]}",
+                      "enable.auto.commit": False, "isolation.level": "read_uncommitted"})
+        parts = [TopicPartition(topic, p) for p in range(2)]
+        ends = {p.partition: c.get_watermark_offsets(p, timeout=10, cached=False)[1] for p in parts}
+        c.assign([TopicPartition(topic, p, 0) for p in range(2)])
+        out, deadline = [], time.monotonic() + 30
+        while time.monotonic() < deadline:
+            out += [int(m.value()) for m in c.consume(1000, 0.3) if m.error() is None]
+            pos = {tp.partition: tp.offset for tp in c.position(parts)}
+            if all(ends[p] == 0 or pos[p] >= ends[p] for p in ends):
+                break
+        c.close()
+        return out
+
+    points = tuple(p for p in Case.points if p != "mid_commit")  # commit is one step (no-op)
+    return Case("kafka", {"BOOTSTRAP": bootstrap, "TOPIC": topic}, read_ids, lambda: [], points)
+
+
+@pytest.fixture(scope="module")
+def kafka_bootstrap() -> Iterator[str]:
+    from kafka_broker import KafkaBroker
+
+    with KafkaBroker() as broker:
+        yield broker.bootstrap
+
+
+@pytest.fixture
+def case(request, tmp_path) -> Case:
+    kind = request.param
+    if kind == "delta":
+        return _delta_case(tmp_path)
+    if kind.startswith("postgres"):
+        return _postgres_case(request.getfixturevalue("pg"), kind.split("-", 1)[1])
+    return _kafka_case(request.getfixturevalue("kafka_bootstrap"))
+
+
+# One job definition for in-process runs and for driver processes (built from the environment).
+JOB_FILE = """
+import os
+from onceflow import CheckpointConfig, Job, fixed_delay
+
+
+def build_sink(env):
+    kind = env["SINK_KIND"]
+    if kind == "delta":
+        from onceflow import DeltaSink
+        return DeltaSink(env["TABLE"])
+    if kind.startswith("postgres"):
+        from onceflow import PostgresSink
+        return PostgresSink(env["DSN"], env["PGTABLE"], mode=env["MODE"], create_table=True,
+                            sink_id=env["SINK_ID"], commit_deadline=20)
+    from onceflow.sinks.kafka import KafkaSink
+    sink = KafkaSink(env["BOOTSTRAP"], env["TOPIC"],
+                     producer_config={"batch.num.messages": 1, "linger.ms": 0})
+    opts = sink.options() | {"skip_broker_probe": "true"}
+    sink.options = lambda: opts
+    return sink
+
+
+TOTAL, PER_BATCH = int(os.environ["TOTAL"]), int(os.environ["PER_BATCH"])
+RATE, KIND = int(os.environ.get("RATE", 10**9)), os.environ["SINK_KIND"]
+
+
+def source(spark):
+    return (spark.readStream.format("onceflow-sequence").option("total", TOTAL)
+            .option("rows_per_second", RATE).option("max_rows_per_batch", PER_BATCH)
+            .option("partitions", 3).load())
+
+
+def transform(df):
+    if KIND == "kafka":
+        return df.selectExpr("CAST(id AS STRING) AS key", "CAST(id AS STRING) AS value")
+    return df.select("id")
+
+
+job = Job(name="conformance", source=source, transform=transform, sink=build_sink(os.environ),
+          checkpoint=CheckpointConfig(os.environ["CKPT"], interval=os.environ.get("INTERVAL", "0 s")),
+          restart_strategy=fixed_delay(attempts=int(os.environ.get("ATTEMPTS", 10)), delay=0),
+          stop_when_idle=float(os.environ.get("IDLE", "2")), master="local[2]")
+"""
+
+
+def _job_module(tmp_path: Path, env: dict[str, str]):
+    """The job file above, loaded in this process with ``env`` applied."""
+    import importlib.util
+
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(JOB_FILE))
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        spec = importlib.util.spec_from_file_location(f"conf_job_{uuid.uuid4().hex[:6]}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return module.job
+
+
+def assert_exactly_once(case: Case, total: int) -> None:
+    report = check_ids(case.read_ids(), total)
+    assert report.ok, report
+    assert case.dangling() == [], "dangling output left behind"
+
+
+# ---- fencing at the sink level ------------------------------------------------------------------
+
+
+def _data_source(case: Case, tmp_path: Path):
+    """The sink's data source as the runner opens it (schema known, checkpoint unused)."""
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    job = _job_module(tmp_path, {"SINK_KIND": case.kind, "CKPT": str(tmp_path / "ckpt"),
+                                 "TOTAL": "1", "PER_BATCH": "1", **case.env})
+    if case.kind == "kafka":
+        schema = StructType([StructField("key", StringType()), StructField("value", StringType())])
+    else:
+        schema = StructType([StructField("id", LongType())])
+    ds = job.sink.data_source()
+    ds.write_schema = schema
+    ds.validate(schema, False)
+    return ds, schema
+
+
+@pytest.mark.parametrize("case", SINKS, indirect=True)
+def test_an_older_epoch_can_never_decide(case: Case, tmp_path):
+    """Driver A opens the sink, driver B opens it after A (a takeover while A was paused):
+    every decide of A fails with FencedError and changes nothing, before and after B's
+    decision; B's decision stands; a rival decision for B's batch is refused too."""
+    from onceflow.errors import FencedError
+    from onceflow.sinks.base import Decision
+
+    lineage = str(uuid.uuid4())
+    a, schema = _data_source(case, tmp_path)
+    b, _ = _data_source(case, tmp_path)
+    ea, eb = a.open(lineage), b.open(lineage)
+    assert eb > ea
+    with pytest.raises(FencedError, match="epoch"):
+        a.decide(Decision(lineage, 0, "fp-a", [], ea), schema, False)
+    assert a.decision(lineage, 0) is None
+    b.decide(Decision(lineage, 0, "fp-b", [], eb), schema, False)
+    b.decide(Decision(lineage, 0, "fp-b", [], eb), schema, False)  # a retry of the same decision
+    with pytest.raises(FencedError):
+        a.decide(Decision(lineage, 0, "fp-a", [], ea), schema, False)
+    with pytest.raises(FencedError):
+        b.decide(Decision(lineage, 0, "fp-rival", [], eb), schema, False)
+    stored = b.decision(lineage, 0)
+    assert stored is not None and stored.fingerprint == "fp-b" and stored.epoch == eb
+
+
+# ---- crash windows -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", SINKS, indirect=True)
+def test_crash_windows(spark, case: Case, tmp_path):
+    """One fault per batch, each window once; the query restarts in-process after each."""
+    total, per_batch = 9000, 1000
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    rules = ",".join(f"{p}@{i + 1}:raise" for i, p in enumerate(case.points))
+    env = {"SINK_KIND": case.kind, "CKPT": str(tmp_path / "ckpt"), "TOTAL": str(total),
+           "PER_BATCH": str(per_batch), "IDLE": "1", **case.env}
+    job: Job = _job_module(tmp_path, env)
+    opts = job.sink.options() | {"test_crash_at": rules, "test_crash_markers": str(markers)}
+    job.sink.options = lambda: opts  # type: ignore[method-assign]
+    job.run(spark=spark)
+    fired = sorted(n.split("-")[1] for n in os.listdir(markers))
+    assert fired == sorted(case.points), f"faults that never fired prove nothing: {fired}"
+    assert_exactly_once(case, total)
+    events = list(EventLog(str(tmp_path / "ckpt")).read())
+    epochs = [e["epoch"] for e in events if e["event"] == "sink_open"]
+    assert epochs == sorted(set(epochs)) and len(epochs) >= 4, "each query start takes a newer epoch"
+
+
+# ---- zombies -----------------------------------------------------------------------------------
+
+PAUSES = ("after_decision_lookup@2", "before_decide@4", "after_decide@6")
+
+
+def _start_driver(tmp_path: Path, env: dict[str, str], host: str) -> subprocess.Popen:
+    """A driver process in its own session, on its own host name (UTS namespace)."""
+    job = tmp_path / "job.py"
+    job.write_text(textwrap.dedent(JOB_FILE))
+    cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "driver",
+           sys.executable, "-m", "onceflow.runtime.driver", str(job)]
+    log = open(tmp_path / f"{host}.log", "w")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+def _paused(marker: Path, timeout: float = 120) -> dict[str, int]:
+    """Wait until a pause fault fired and its process group is stopped; its pgid and pid."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if marker.exists() and "pid=" in marker.read_text():
+            info = dict(kv.split("=") for kv in marker.read_text().split())
+            pid = int(info["pid"])
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    return {"pgid": int(info["pgid"]), "pid": pid}
+        time.sleep(0.2)
+    raise AssertionError(f"{marker.name}: the driver never paused there")
+
+
+def _resume(paused: dict[str, int]) -> None:
+    os.killpg(paused["pgid"], signal.SIGCONT)
+    os.kill(paused["pid"], signal.SIGCONT)
+
+
+def _wait_commit(ckpt: Path, batch: int, after: float, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(e["event"] == "sink_commit" and e["batch"] >= batch and e["ts"] > after
+               for e in EventLog(str(ckpt)).read()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no commit of batch {batch} or later by the successor")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", SINKS, indirect=True)
+def test_zombie_drivers_are_fenced(case: Case, tmp_path):
+    """Four drivers on four hosts, each taking over from a paused predecessor (see module doc)."""
+    total, per_batch = 9000, 1000
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    ckpt = tmp_path / "ckpt"
+    env = {"SINK_KIND": case.kind, "CKPT": str(ckpt), "TOTAL": str(total), "PER_BATCH": str(per_batch),
+           "RATE": "4000", "INTERVAL": "200 ms", "IDLE": "3", "ATTEMPTS": "0",
+           "ONCEFLOW_LEASE_TTL_S": "3", "ONCEFLOW_CRASH_AT": ",".join(f"{p}:pause" for p in PAUSES),
+           "ONCEFLOW_CRASH_MARKER_DIR": str(markers), **case.env}
+    drivers = [_start_driver(tmp_path, env, "host-1")]
+    try:
+        zombie = None
+        for i, point in enumerate(PAUSES):
+            name, batch = point.split("@")
+            stopped = _paused(markers / f"fired-{name}-{batch}")
+            resumed_at = time.time()
+            if zombie is not None:  # the previous zombie: its successor (now paused) took over
+                _resume(zombie)
+                assert drivers[i - 1].wait(timeout=90) == 5, (tmp_path / f"host-{i}.log").read_text()[-3000:]
+            zombie = stopped
+            time.sleep(3.5)  # the paused driver's lease expires (ttl 3 s): a successor may take it
+            drivers.append(_start_driver(tmp_path, env, f"host-{i + 2}"))
+            _wait_commit(ckpt, int(batch) + 1, resumed_at)
+        _resume(zombie)
+        assert drivers[2].wait(timeout=90) == 5, (tmp_path / "host-3.log").read_text()[-3000:]
+        assert drivers[3].wait(timeout=240) == 0, (tmp_path / "host-4.log").read_text()[-3000:]
+    finally:
+        for d in drivers:
+            if d.poll() is None:
+                os.killpg(d.pid, signal.SIGCONT)
+                os.killpg(d.pid, signal.SIGKILL)
+    assert_exactly_once(case, total)
+    events = list(EventLog(str(ckpt)).read())
+    opened = [e["epoch"] for e in events if e["event"] == "sink_open"]
+    assert opened == sorted(opened) and len(set(opened)) == len(opened) >= 4
+    fenced = [e for e in events if e["event"] == "failed" and e.get("error") == "FencedError"]
+    assert len(fenced) == 3, [e.get("cause") for e in fenced]
+    assert json.loads((ckpt / "metadata").read_text())["id"]
