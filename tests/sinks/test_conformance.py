@@ -36,8 +36,7 @@ from pathlib import Path
 import pytest
 
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.job import CheckpointConfig, Job
-from onceflow.runtime.restart import fixed_delay
+from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
 SINKS = ["delta", "postgres-two_phase", "postgres-idempotent", "kafka"]
