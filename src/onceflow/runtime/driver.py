@@ -7,7 +7,7 @@ this lineage (not restarted while it holds the lease); 70 the Spark JVM died und
 Python process (a watchdog notices within a second; restarted like any crash); anything
 else, or death by a signal, is a crash (restart per strategy).
 
-SIGTERM/SIGINT stop with a savepoint (DESIGN.md section 7): the in-flight batch finishes (or,
+SIGTERM/SIGINT stop with a savepoint (the supervisor's contract): the in-flight batch finishes (or,
 if it was only planned, is left to be replayed), the query stops, the lease is released,
 then a savepoint of the last committed batch is taken (see
 :func:`onceflow.savepoint.operations.savepoint_on_stop` for where it goes and how

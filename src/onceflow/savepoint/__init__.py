@@ -1,4 +1,4 @@
-"""Savepoints (DESIGN.md section 6): user-owned, relocatable snapshots of a stopped job.
+"""Savepoints (the savepoint contract): user-owned, relocatable snapshots of a stopped job.
 
 ``create_savepoint`` (from a stopped job), ``stop_with_savepoint`` (a job run by
 ``onceflow run``), ``list_savepoints``, ``inspect_savepoint``, ``dispose_savepoint``, and

@@ -1,6 +1,6 @@
 """Creating a savepoint from a stopped job's checkpoint.
 
-Which files a savepoint needs to resume after batch N (DESIGN.md section 1: batch N =
+Which files a savepoint needs to resume after batch N (docs/protocol.md: batch N =
 ``offsets/N`` + state version N+1 + ``commits/N``):
 
 * ``metadata`` (the lineage), ``offsets/N`` and ``commits/N`` plus ``offsets/N-1`` and

@@ -1,4 +1,4 @@
-"""Two-phase commit per micro-batch (DESIGN.md section 3), on PySpark's Arrow stream writer.
+"""Two-phase commit per micro-batch (docs/protocol.md), on PySpark's Arrow stream writer.
 
 Vocabulary follows Flink's ``TwoPhaseCommitSinkFunction``:
 
