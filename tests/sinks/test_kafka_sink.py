@@ -5,7 +5,10 @@ read_committed consumers. So: (a)/(b) assert that the probe sees exactly that an
 exactly_once refuses to start; (c) tests everything else with the probe bypassed
 (``skip_broker_probe``) on paths where no transaction is ever aborted (the crash points fire
 before a task's transaction begins or after it committed), so every record in the topic is a
-committed one and counting all of them is honest.
+committed one and counting all of them is honest. The epoch tests (g) drive the data source
+directly (no Spark): the fenced driver's writes are refused by the broker (PRODUCER_FENCED on
+produce, which tansu implements) or never attempted, so no aborted record exists there
+either; they read the marker topic with read_uncommitted, which would show one.
 """
 
 from __future__ import annotations
@@ -18,14 +21,25 @@ from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from pyspark.sql.types import StringType, StructField, StructType
 
 from kafka_broker import KafkaBroker, create_topic, produce
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.errors import ConfigError, OnceflowError
+from onceflow.errors import ConfigError, FencedError, OnceflowError, SinkError
 from onceflow.job import CheckpointConfig, Job
 from onceflow.runtime.restart import fixed_delay
+from onceflow.sinks.base import Decision, TaskInfo
 from onceflow.sinks.delta import DeltaSink
-from onceflow.sinks.kafka import MARKER_TOPIC, KafkaSink, _ensure_topic, close_all, doctor, probe
+from onceflow.sinks.kafka import (
+    MARKER_TOPIC,
+    KafkaSink,
+    KafkaSinkDataSource,
+    _ensure_topic,
+    close_all,
+    doctor,
+    ensure_marker_topic,
+    probe,
+)
 from onceflow.sources.deadletter import decode_values, read_dead_letters
 from onceflow.sources.kafka import KafkaSource
 from onceflow.verify.exactly_once import check_delta_table, check_ids
@@ -60,6 +74,16 @@ def read_topic(bootstrap: str, topic: str, partitions: int = 1) -> list:
         if all(ends[p] == 0 or pos[p] >= ends[p] for p in range(partitions)):
             break
     c.close()
+    return out
+
+
+def marker_records(bootstrap: str, lineage: str) -> list[tuple[str, dict]]:
+    """(key, marker) of every record of ``lineage`` in the marker topic, read_uncommitted."""
+    out = []
+    for m in read_topic(bootstrap, MARKER_TOPIC):
+        v = json.loads(m.value())
+        if v.get("sink") == "kafka" and v.get("lineage") == lineage:
+            out.append((m.key().decode(), v))
     return out
 
 
@@ -135,8 +159,12 @@ def test_markers_replays_and_crash_windows(spark, kafka_broker, topic_name, tmp_
 
     # Markers: one per (batch, partition) and one decision per batch, with the fingerprint.
     lineage = json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
-    mine = [json.loads(m.value()) for m in read_topic(kafka_broker, MARKER_TOPIC)
-            if m.key() == f"kafka/{lineage}".encode()]
+    keyed = marker_records(kafka_broker, lineage)
+    mine = [m for _, m in keyed]
+    # One key per record (compaction keeps every one), all on the lineage's marker partition.
+    assert len({k for k, _ in keyed}) == len(keyed)
+    epochs = [m["epoch"] for m in mine if m["type"] == "epoch"]
+    assert epochs == list(range(1, len(epochs) + 1)) and len(epochs) >= 2  # a restart took a new one
     parts = [m for m in mine if m["type"] == "partition"]
     decisions = {m["batch"]: m for m in mine if m["type"] == "decision"}
     batches = sorted(int(n) for n in os.listdir(tmp_path / "ckpt" / "commits") if n.isdigit())
@@ -145,6 +173,7 @@ def test_markers_replays_and_crash_windows(spark, kafka_broker, topic_name, tmp_
     assert {h["partition"] for h in decisions[2]["handles"]} == {0, 1, 2}
     assert sum(m["rows"] for m in parts) == 1500
     assert all(len(d["fingerprint"]) == 32 for d in decisions.values())
+    assert all(d["epoch"] in epochs for d in decisions.values())
     assert {h["reused"] for h in decisions[2]["handles"]} == {True}  # batch 2 replayed: all skipped
     events = list(EventLog(str(tmp_path / "ckpt")).read())
     assert any(e["event"] == "sink_commit" and e["batch"] == 3 and e["replay"] for e in events)
@@ -165,7 +194,7 @@ def test_open_transaction_of_a_dead_attempt_is_fenced_not_waited_for(spark, kafk
     create_topic(kafka_broker, topic_name, 1)
     lineage = f"L{uuid.uuid4().hex[:8]}"
     conf = {"bootstrap.servers": kafka_broker}
-    _ensure_topic(conf, MARKER_TOPIC, 15)
+    ensure_marker_topic(conf, MARKER_TOPIC, 15)
     zombies = []
     for part in (0, 7):
         txn = f"onceflow-kafka-{lineage}-p{part}"
@@ -204,7 +233,7 @@ def test_restore_check_never_fences_a_live_jobs_transaction(kafka_broker, tmp_pa
 
     lineage = f"L{uuid.uuid4().hex[:8]}"
     conf = {"bootstrap.servers": kafka_broker}
-    _ensure_topic(conf, MARKER_TOPIC, 15)
+    ensure_marker_topic(conf, MARKER_TOPIC, 15)
     txn = f"onceflow-kafka-{lineage}-p0"
     live = Producer({**conf, "transactional.id": txn, "transaction.timeout.ms": 900_000})
     live.init_transactions(10)
@@ -294,10 +323,182 @@ def test_poison_record_goes_to_dead_letter_or_fails_naming_it(spark, kafka_broke
 def test_bad_input_unreachable_and_unknown_topic(spark, kafka_broker, tmp_path):
     job = kafka_job(tmp_path, "127.0.0.1:1", "x", 10, timeout=3)
     job.sink = KafkaSink("127.0.0.1:1", "x", timeout=3)
-    with pytest.raises(ConfigError, match="cannot reach Kafka at 127.0.0.1:1"):
+    job.restart_strategy = fixed_delay(attempts=1, delay=0)  # an outage: restarted, then given up
+    with pytest.raises(OnceflowError, match="cannot reach Kafka at 127.0.0.1:1") as info:
         job.run(spark=spark)
+    assert not isinstance(info.value, ConfigError)
     job.sink = KafkaSink(kafka_broker, "no-such-topic", mode="at_least_once")
     with pytest.raises(ConfigError, match="topic no-such-topic does not exist"):
         job.run(spark=spark)
     with pytest.raises(ConfigError, match="mode='exactly-once'"):
         KafkaSink(kafka_broker, "t", mode="exactly-once").data_source()  # type: ignore[arg-type]
+
+
+# ---- (g) epochs: fencing in the commit path, unreachable brokers, doctor -----------------------
+
+SCHEMA = StructType([StructField("key", StringType()), StructField("value", StringType())])
+HANDLES = [{"partition": 0, "attempt": 0, "rows": 1, "reused": False}]
+
+
+def data_source(bootstrap: str, timeout: float = 20) -> KafkaSinkDataSource:
+    return KafkaSink(bootstrap, "unused", producer_config=ONE_PER_BATCH, timeout=timeout).data_source()
+
+
+def decisions_in_log(bootstrap: str, lineage: str, batch: int) -> list[dict]:
+    return [m for _, m in marker_records(bootstrap, lineage) if m["type"] == "decision" and m["batch"] == batch]
+
+
+def test_zombie_driver_cannot_decide_or_produce_after_a_successor_opened(kafka_broker):
+    """Driver A opens (epoch e), driver B opens (e+1): A's decide raises FencedError and writes
+    no decision marker, A's task stops before producing, B decides normally. Before epochs, A's
+    decide simply appended its decision (and its task wrote its partition)."""
+    lineage = f"L{uuid.uuid4().hex[:8]}"
+    a, b = data_source(kafka_broker), data_source(kafka_broker)
+    ea = a.open(lineage)
+    eb = b.open(lineage)
+    assert (a.epoch, b.epoch) == (ea, eb) and eb == ea + 1
+    with pytest.raises(FencedError, match=rf"holds epoch {ea} of lineage {lineage}, but epoch {eb}"):
+        a.decide(Decision(lineage, 0, "a" * 32, HANDLES, ea), SCHEMA, False)
+    assert decisions_in_log(kafka_broker, lineage, 0) == []
+    with pytest.raises(FencedError, match="task of batch 0 partition 0 refused"):
+        a.pre_commit(TaskInfo(lineage, 0, 0, 0), SCHEMA, False, iter([]))
+    assert not [m for _, m in marker_records(kafka_broker, lineage) if m["type"] == "partition"]
+
+    mine = Decision(lineage, 0, "b" * 32, HANDLES, eb)
+    b.decide(mine, SCHEMA, False)
+    assert b.decision(lineage, 0) == mine and a.decision(lineage, 0) == mine
+    assert [d["epoch"] for d in decisions_in_log(kafka_broker, lineage, 0)] == [eb]
+
+    # Readers ignore decisions that appear after a higher epoch marker than their own (a
+    # fenced driver's late write, or one without an epoch from an older onceflow).
+    raw = Producer({"bootstrap.servers": kafka_broker})
+    for epoch in (ea, None, eb):
+        late = {"type": "decision", "sink": "kafka", "lineage": lineage, "batch": 7 if epoch != eb else 8,
+                "fingerprint": "c" * 32, "handles": [], "epoch": epoch}
+        raw.produce(MARKER_TOPIC, json.dumps(late).encode(), b"late", partition=0)
+    assert raw.flush(10) == 0
+    assert b.decision(lineage, 7) is None and b.decision(lineage, 8).epoch == eb
+
+
+def test_driver_fenced_between_its_check_and_its_write_writes_nothing(kafka_broker, monkeypatch):
+    """B opens after A's decide read the markers but before A wrote: B's init_transactions
+    fenced A's producer, so A's write is refused by the broker and A raises FencedError."""
+    lineage = f"L{uuid.uuid4().hex[:8]}"
+    a, b = data_source(kafka_broker), data_source(kafka_broker)
+    ea = a.open(lineage)
+    real, opened = KafkaSinkDataSource._decidable, []
+
+    def b_opens_right_after_a_checked(self, decision, mine):
+        out = real(self, decision, mine)
+        if self is a and not opened:
+            opened.append(b.open(lineage))
+        return out
+
+    monkeypatch.setattr(KafkaSinkDataSource, "_decidable", b_opens_right_after_a_checked)
+    with pytest.raises(FencedError, match=rf"holds epoch {ea} .* but epoch {ea + 1}"):
+        a.decide(Decision(lineage, 0, "a" * 32, HANDLES, ea), SCHEMA, False)
+    assert opened == [ea + 1]
+    assert decisions_in_log(kafka_broker, lineage, 0) == []
+    b.decide(Decision(lineage, 0, "b" * 32, HANDLES, ea + 1), SCHEMA, False)
+    assert b.decision(lineage, 0).fingerprint == "b" * 32
+
+
+def test_rival_decision_for_a_decided_batch_is_refused(kafka_broker):
+    """A retried decide of the same decision is a no-op; a different decision for a decided
+    batch raises FencedError and is not written (before: appended silently, first one won)."""
+    lineage = f"L{uuid.uuid4().hex[:8]}"
+    ds = data_source(kafka_broker)
+    epoch = ds.open(lineage)
+    first = Decision(lineage, 3, "a" * 32, HANDLES, epoch)
+    ds.decide(first, SCHEMA, False)
+    ds.decide(Decision(lineage, 3, "a" * 32, list(HANDLES), epoch), SCHEMA, False)  # a retry
+    rival = Decision(lineage, 3, "b" * 32, [{**HANDLES[0], "attempt": 1}], epoch)
+    with pytest.raises(FencedError, match="batch 3 .* already decided differently"):
+        ds.decide(rival, SCHEMA, False)
+    assert decisions_in_log(kafka_broker, lineage, 3) == [
+        {"type": "decision", "sink": "kafka", "lineage": lineage, "batch": 3, "fingerprint": "a" * 32,
+         "handles": HANDLES, "epoch": epoch, "txn": f"onceflow-kafka-{lineage}-driver"}]
+    assert ds.decision(lineage, 3) == first
+
+
+def test_unreachable_broker_is_an_outage_with_a_one_line_message():
+    """SinkError (restarted by the restart strategy), not ConfigError (fatal), from validate,
+    open and doctor alike."""
+    ds = KafkaSink("127.0.0.1:1", "x", timeout=2).data_source()
+    for call in (lambda: ds.validate(SCHEMA, False), lambda: ds.open("L1")):
+        with pytest.raises(SinkError) as info:
+            call()
+        message = str(info.value)
+        assert not info.value.fatal and "\n" not in message
+        assert message.startswith("onceflow-kafka-sink: cannot reach Kafka at 127.0.0.1:1 within 2s (")
+    [check] = doctor("127.0.0.1:1", timeout=2)
+    assert (check.name, check.ok) == ("reachable", False) and "cannot reach Kafka" in check.detail
+
+
+def test_doctor_checks_transaction_timeout_and_marker_topic(kafka_broker):
+    conf = {"bootstrap.servers": kafka_broker}
+    ensure_marker_topic(conf, MARKER_TOPIC, 15)
+    checks = {c.name: c for c in doctor(kafka_broker, timeout=15, transaction_timeout=120)}
+    tt = checks["transaction_timeout"]
+    assert tt.ok and "transaction_timeout=120s (transaction.timeout.ms=120000)" in tt.detail
+    assert "does not report transaction.max.timeout.ms" in tt.detail  # tansu: reported, not failed
+    mt = checks["marker_topic"]
+    assert mt.ok and not mt.warning, mt.detail
+    assert "replication 1" in mt.detail and "cleanup.policy=compact" in mt.detail
+    assert "single-broker" in mt.detail
+
+    # A marker topic that deletes markers by age fails the check.
+    aged = f"m-{uuid.uuid4().hex[:8]}"
+    _ensure_topic(conf, aged, 15, {"cleanup.policy": "delete", "retention.ms": "604800000"})
+    [mt] = [c for c in doctor(kafka_broker, timeout=15, marker_topic=aged) if c.name == "marker_topic"]
+    assert not mt.ok and "retention.ms=604800000" in mt.detail and "set cleanup.policy=compact" in mt.detail
+
+    from click.testing import CliRunner
+
+    from onceflow.cli.main import main
+
+    out = CliRunner().invoke(main, ["doctor", "--kafka", kafka_broker, "--timeout", "15",
+                                    "--transaction-timeout", "90"])
+    assert "transaction_timeout: transaction_timeout=90s" in out.output, out.output
+    assert f"marker_topic: {MARKER_TOPIC}: 1 partition(s), replication 1" in out.output
+
+
+def test_partition_is_computed_before_its_transaction_begins(kafka_broker, topic_name, monkeypatch):
+    """transaction_timeout bounds only the sending of rows: the task drains Spark's input (here
+    a generator standing for a slow upstream) before it begins its transaction. tansu does not
+    enforce transaction.timeout.ms, so the order is asserted rather than an abort. Before, the
+    transaction was open while Spark computed the partition."""
+    import pyarrow as pa
+
+    from onceflow.sinks.kafka import producers
+
+    create_topic(kafka_broker, topic_name, 1)
+    events: list[str] = []
+    real = producers.transactional_producer
+
+    class Recording:
+        def __init__(self, producer):
+            self._producer = producer
+
+        def begin_transaction(self):
+            events.append("begin")
+            return self._producer.begin_transaction()
+
+        def __getattr__(self, name):
+            return getattr(self._producer, name)
+
+    monkeypatch.setattr(producers, "transactional_producer", lambda *a, **k: Recording(real(*a, **k)))
+
+    def upstream():
+        for i in range(3):
+            events.append(f"batch{i}")
+            yield pa.record_batch([pa.array([str(i)]), pa.array([str(i)])], names=["key", "value"])
+
+    ds = KafkaSink(kafka_broker, topic_name, producer_config=ONE_PER_BATCH, timeout=20,
+                   transaction_timeout=5).data_source()
+    lineage = f"L{uuid.uuid4().hex[:8]}"
+    ds.open(lineage)
+    handle, rows = ds.pre_commit(TaskInfo(lineage, 0, 0, 0), SCHEMA, False, upstream())
+    assert rows == 3 and events == ["batch0", "batch1", "batch2", "begin"]
+    assert ds.conf["transaction.timeout.ms"] == 5000
+    assert sorted(m.value() for m in read_topic(kafka_broker, topic_name)) == [b"0", b"1", b"2"]

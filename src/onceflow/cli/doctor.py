@@ -1,8 +1,10 @@
 """``onceflow doctor``: check a sink system and state the guarantee each sink mode gives.
 
 * ``--kafka BOOTSTRAP``: reachability, whether read_committed hides aborted transactional
-  records (the probe that gates mode exactly_once), the marker topic, and per mode the
-  guarantee this broker allows.
+  records (the probe that gates mode exactly_once), the sink's ``transaction_timeout``
+  (``--transaction-timeout``) against the broker's ``transaction.max.timeout.ms``, the marker
+  topic (``--marker-topic``: cleanup policy, replication), and per mode the guarantee this
+  broker allows.
 * ``--postgres DSN [--resolve]``: the PostgreSQL sink's checks; ``--resolve`` commits decided
   and rolls back undecided onceflow prepared transactions of stopped jobs.
 * no option: every registered sink with its modes and their guarantees.
@@ -24,8 +26,11 @@ _MODES = {
 }
 
 
-def _print(name: str, ok: bool, detail: str) -> None:
-    mark = click.style("ok  ", fg="green") if ok else click.style("FAIL", fg="red")
+def _print(name: str, ok: bool, detail: str, warning: bool = False) -> None:
+    if ok and warning:
+        mark = click.style("warn", fg="yellow")
+    else:
+        mark = click.style("ok  ", fg="green") if ok else click.style("FAIL", fg="red")
     click.echo(f"  [{mark}] {name}: {detail}")
 
 
@@ -63,8 +68,14 @@ def _list_guarantees() -> None:
               help="With --postgres: commit decided / roll back undecided onceflow prepared transactions.")
 @click.option("--timeout", default=20.0, show_default=True, metavar="SECONDS",
               help="Timeout of each Kafka check.")
+@click.option("--transaction-timeout", "transaction_timeout", default=60.0, show_default=True,
+              metavar="SECONDS", help="With --kafka: the Kafka sink's transaction_timeout to check "
+              "against the broker's transaction.max.timeout.ms.")
+@click.option("--marker-topic", "marker_topic", default="__onceflow_markers", show_default=True,
+              help="With --kafka: the Kafka sink's marker topic to check.")
 @click.pass_context
-def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve: bool, timeout: float) -> None:
+def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve: bool, timeout: float,
+           transaction_timeout: float, marker_topic: str) -> None:
     """Check sink systems and print the guarantee of every sink mode."""
     if resolve and not postgres:
         raise click.UsageError("--resolve needs --postgres DSN")
@@ -76,8 +87,8 @@ def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve:
         from onceflow.sinks.kafka import doctor as kafka_doctor
 
         click.echo(f"Kafka at {kafka}:")
-        for check in kafka_doctor(kafka, timeout):
-            _print(check.name, check.ok, check.detail)
+        for check in kafka_doctor(kafka, timeout, transaction_timeout, marker_topic):
+            _print(check.name, check.ok, check.detail, check.warning)
             failed |= not check.ok
     if postgres:
         from onceflow.sinks.postgres import mask_dsn

@@ -8,7 +8,7 @@ import importlib
 SINKS: dict[str, str] = {
     "onceflow-delta": "onceflow.sinks.delta:DeltaDataSource",
     "onceflow-postgres": "onceflow.sinks.postgres:PostgresDataSource",
-    "onceflow-kafka-sink": "onceflow.sinks.kafka:KafkaDataSource",
+    "onceflow-kafka-sink": "onceflow.sinks.kafka.sink:KafkaSinkDataSource",
 }
 
 

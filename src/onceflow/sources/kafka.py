@@ -53,6 +53,7 @@ from pyspark.sql.types import (
 )
 
 from onceflow.errors import ConfigError, OnceflowError
+from onceflow.kafka_client import admin_client, error_text
 
 log = logging.getLogger("onceflow.sources.kafka")
 
@@ -271,13 +272,12 @@ class KafkaCluster:
     def admin(self):
         if self._admin is None:
             from confluent_kafka import KafkaException
-            from confluent_kafka.admin import AdminClient
 
-            conf = {k: v for k, v in self.s.consumer_conf.items() if k != "isolation.level"}
             try:
-                self._admin = AdminClient(conf)
+                self._admin = admin_client(self.s.consumer_conf, quiet=False)
             except (KafkaException, ValueError, TypeError) as e:
-                raise _fail(f"invalid kafka.* option: {e}; see librdkafka's CONFIGURATION.md") from None
+                raise _fail(f"invalid kafka.* option: {error_text(e, self.s.consumer_conf)}; see "
+                            "librdkafka's CONFIGURATION.md") from None
         return self._admin
 
     def check(self) -> None:
@@ -287,7 +287,8 @@ class KafkaCluster:
         try:
             Consumer({**self.s.consumer_conf, "group.id": "onceflow-check"}).close()
         except (KafkaException, ValueError, TypeError) as e:
-            raise _fail(f"invalid kafka.* option: {e}; see librdkafka's CONFIGURATION.md") from None
+            raise _fail(f"invalid kafka.* option: {error_text(e, self.s.consumer_conf)}; see "
+                        "librdkafka's CONFIGURATION.md") from None
         found = self.partitions()
         missing = [t for t in self.s.topics if t not in {t2 for t2, _ in found}]
         if missing:
@@ -302,8 +303,9 @@ class KafkaCluster:
         try:
             md = self.admin.list_topics(timeout=timeout)
         except KafkaException as e:
-            raise _fail(f"cannot reach Kafka at {self.s.bootstrap} within {timeout:g}s ({e.args[0]}); "
-                        "check kafka.bootstrap.servers and that the brokers are up") from None
+            raise _fail(f"cannot reach Kafka at {self.s.bootstrap} within {timeout:g}s "
+                        f"({error_text(e, self.s.consumer_conf)}); check kafka.bootstrap.servers "
+                        "and that the brokers are up") from None
         return sorted((t, p) for t, tm in md.topics.items()
                       if tm.error is None and self.s.wants(t) for p in tm.partitions)
 
@@ -332,7 +334,8 @@ class KafkaCluster:
             return {(tp.topic, tp.partition): f.result(timeout).offset for tp, f in futures.items()}
         except KafkaException as e:
             raise OnceflowError(f"{NAME}: listing {spec} offsets on {self.s.bootstrap} failed: "
-                                f"{e.args[0]}; the query will be restarted by its restart strategy") from None
+                                f"{error_text(e, self.s.consumer_conf)}; the query will be restarted "
+                                "by its restart strategy") from None
 
 
 class KafkaInputPartition(InputPartition):
