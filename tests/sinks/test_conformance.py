@@ -129,8 +129,11 @@ def _kafka_case(bootstrap: str) -> Case:
 def kafka_bootstrap() -> Iterator[str]:
     from kafka_broker import KafkaBroker
 
+    from onceflow.sinks.kafka import close_all
+
     with KafkaBroker() as broker:
         yield broker.bootstrap
+        close_all()  # this process's cached producers and marker readers
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 
-from onceflow.errors import FencedError, OnceflowError
+from onceflow.errors import FencedError, JvmDied, OnceflowError
 
 EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED, EXIT_FENCED = 0, 2, 3, 4, 5
 EXIT_CRASHED, EXIT_JVM_DIED = 1, 70
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except FencedError as e:
         print(f"fenced: {e}", file=sys.stderr)
         return EXIT_FENCED
+    except JvmDied as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_JVM_DIED
     except OnceflowError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG if e.fatal else EXIT_CRASHED
