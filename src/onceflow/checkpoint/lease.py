@@ -15,7 +15,8 @@ Each holder only ever rewrites its own record, so a renewal never overwrites a n
   other host: renewed within ``ttl_s``), unless ``takeover=True`` (the supervisor saw it die).
   Otherwise create ``<highest+1>.json``; losing that race is a FencedError.
 * **renew** (every ``renew_s``): if a higher epoch exists, or no renewal succeeded for
-  ``ttl_s`` (default 30 s, or ``ONCEFLOW_LEASE_TTL_S``; renewal every ttl/6), the lease is *lost*: :attr:`DriverLease.lost` is set and the runner stops its
+  ``ttl_s`` (default 30 s, or ``ONCEFLOW_LEASE_TTL_S``; renewal every ttl/6, or
+  ``ONCEFLOW_LEASE_RENEW_S``), the lease is *lost*: :attr:`DriverLease.lost` is set and the runner stops its
   query (self-fencing). Records of older epochs are removed by the new holder; a released
   record is kept (marked released) so epoch numbers only grow.
 """
@@ -50,7 +51,8 @@ class DriverLease:
     def __init__(self, checkpoint_url: str, job_name: str, ttl_s: float | None = None,
                  renew_s: float | None = None):
         ttl_s = float(os.environ.get("ONCEFLOW_LEASE_TTL_S", 30.0)) if ttl_s is None else ttl_s
-        renew_s = ttl_s / 6 if renew_s is None else renew_s
+        if renew_s is None:
+            renew_s = float(os.environ.get("ONCEFLOW_LEASE_RENEW_S", ttl_s / 6))
         self.url = f"{checkpoint_url.rstrip('/')}/_onceflow/lease"
         self.fs, self.dir = url_to_fs(self.url)
         self.job_name, self.ttl_s, self.renew_s = job_name, ttl_s, renew_s
@@ -154,6 +156,14 @@ class DriverLease:
                 if time.monotonic() - last_ok > self.ttl_s:
                     self._lose(f"the lease could not be renewed for {self.ttl_s:g}s ({e})")
                     return
+
+    def check(self) -> None:
+        """FencedError now if a newer driver took the lease (a synchronous look)."""
+        newer = [e for e in self._epochs() if e > (self.epoch or 0)]
+        if newer:
+            self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})")
+        if self.lost.is_set():
+            raise FencedError(self.lost_reason)
 
     def _lose(self, reason: str) -> None:
         self.lost_reason = reason

@@ -140,6 +140,11 @@ class JobRunner:
                         self.events.append("failed", cause="the Spark JVM died")
                         raise JvmDied("the driver's Spark JVM died (OOM killer?); the process must "
                                       "restart (onceflow run does that)") from None
+                    if not isinstance(error, FencedError):
+                        try:  # a failure of a driver that lost the lease: it must not restart
+                            self.lease.check()
+                        except FencedError as fenced_by_lease:
+                            error = fenced_by_lease
                     if error is not None and error.fatal:
                         self.events.append("failed", cause=str(error), error=type(error).__name__)
                         raise error from None
