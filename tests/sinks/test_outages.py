@@ -28,8 +28,8 @@ from onceflow import CheckpointConfig, Job, PostgresSink, fixed_delay
 job = Job(
     name="pg-outage",
     source=lambda spark: spark.readStream.format("onceflow-sequence")
-        .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 1500)
-        .option("max_rows_per_batch", 1500).option("partitions", 2).load(),
+        .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 400)
+        .option("max_rows_per_batch", 2000).option("partitions", 2).load(),
     sink=PostgresSink(os.environ["DSN"], os.environ["PGTABLE"], create_table=True,
                       sink_id=os.environ["SINK_ID"], commit_deadline=3),
     checkpoint=CheckpointConfig(os.environ["CKPT"], interval="500 ms"),
@@ -42,7 +42,7 @@ job = Job(
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_postgres_down_for_60s_under_onceflow_run_waits_then_finishes_exactly_once(pg_up, tmp_path):
-    pg, total = pg_up, 90_000
+    pg, total = pg_up, 24_000
     table, sink_id = f"outage_{uuid.uuid4().hex[:8]}", f"o{uuid.uuid4().hex[:6]}"
     (tmp_path / "job.py").write_text(textwrap.dedent(JOB))
     ckpt = tmp_path / "ckpt"
