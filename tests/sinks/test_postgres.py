@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 from onceflow.errors import ConfigError, FencedError, SinkError
+from onceflow.sinks.base import Decision
 from onceflow.sinks.postgres import PostgresSink
 
 TOTAL, PER_BATCH = 2000, 1000
@@ -156,7 +157,7 @@ def test_upsert_keys_colliding_across_partitions_last_row_wins(spark, pg, pg_nop
     (Tasks upserting into the table directly hang in two_phase: the second task waits on the
     first one's prepared transaction.) A driver crash between decision and merge leaves the
     batch staged and invisible; recovery (here: doctor's resolve) merges it exactly once."""
-    from onceflow.sinks.postgres_doctor import resolve
+    from onceflow.sinks.postgres.doctor import resolve
 
     db = Database(server_for(mode, pg, pg_noprepared), f"upsert_{uid()}")
     sink = make_sink(db, mode, write="upsert", keys=["k"])
@@ -288,7 +289,7 @@ job = Job(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(660)  # five driver starts; about 6 minutes on a loaded 2-core machine
 def test_driver_sigkilled_in_each_window_restarts_exactly_once(pg, pg_noprepared, tmp_path):
     """Real driver deaths: ``onceflow run`` (the supervisor) runs the job; fault points SIGKILL the
     driver's whole process group in successive batches (two_phase: tasks pre-committed but
@@ -326,7 +327,7 @@ def test_driver_sigkilled_in_each_window_restarts_exactly_once(pg, pg_noprepared
                     env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 )
         for p in procs.values():
-            p.wait(timeout=360)
+            p.wait(timeout=600)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -388,21 +389,26 @@ def test_postgres_down_longer_than_commit_deadline(spark, pg_up, tmp_path):
 # ---- fence, recovery, fingerprint -------------------------------------------------------------
 
 
-def test_fence_refuses_second_driver_and_open_recovers(spark, pg, tmp_path):
+def test_second_opener_takes_over_and_open_recovers(spark, pg, tmp_path):
+    """(Replaces the advisory-lock fence test.) open() takes a new epoch and recovers; a second
+    opener of the same lineage is not refused: it takes over, and the first driver is fenced at
+    its next decide. Other lineages have epochs of their own."""
     sink = make_sink(pg)
     err = run_stream(spark, tmp_path, sink, crash="after_decide@1:raise")
     assert err and "InjectedCrash" in err
     lineage = json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
-    source = sink.data_source({"checkpointlocation": str(tmp_path / "ckpt")})
-    with source.open(lineage) as fence:
-        assert fence.recovered == {"committed": 2, "rolled_back": 0}
-        assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(1000,)]
-        with pytest.raises(FencedError, match="another driver is running") as e:
-            sink.data_source().open(lineage)
-        assert "backend pid" in str(e.value) and pg.password not in str(e.value)
-        other = sink.data_source().open(str(uuid.uuid4()))  # other lineages are not fenced
-        other.close()
-    sink.data_source().open(lineage).close()  # released with the first fence
+    first = sink.data_source({"checkpointlocation": str(tmp_path / "ckpt")})
+    e1 = first.open(lineage)
+    assert first.recovered == {"committed": 2, "rolled_back": 0}
+    assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(1000,)]
+    second = sink.data_source()
+    assert second.open(lineage) == e1 + 1
+    assert second.recovered == {"committed": 0, "rolled_back": 0}
+    with pytest.raises(FencedError, match=f"holds epoch {e1} of lineage {lineage}, but epoch {e1 + 1} has opened") as e:
+        first.decide(Decision(lineage, 2, "fp", [], e1), _kv(), False)
+    assert pg.password not in str(e.value)
+    assert first.decision(lineage, 2) is None
+    assert sink.data_source().open(str(uuid.uuid4())) == 1  # other lineages are not fenced
 
 
 def test_job_runner_opens_the_fence_and_recovers_after_driver_crash(spark, pg, tmp_path):
@@ -563,7 +569,7 @@ class Database:
 
 
 def test_doctor_reports_and_resolve_applies_recovery_rules(spark, pg, pg_noprepared, tmp_path):
-    from onceflow.sinks.postgres_doctor import doctor, resolve
+    from onceflow.sinks.postgres.doctor import doctor, resolve
 
     db = Database(pg, f"doctor_{uid()}")
     decided_sink = make_sink(db)
@@ -621,20 +627,232 @@ def test_doctor_cli_lists_a_dangling_transaction_and_resolve_clears_it(pg):
     assert bad.exit_code == 1 and "cannot parse the DSN" in bad.output and pg.password not in bad.output
 
 
-def test_resolve_skips_a_lineage_whose_driver_is_running(pg):
-    from onceflow.sinks.postgres_doctor import resolve
+def test_resolve_leaves_a_connected_drivers_transactions_alone(pg):
+    """A lineage with a connected driver is not fenced by resolve: its current epoch's undecided
+    transaction stays (reported as skipped) while those of a superseded epoch are rolled back;
+    once the driver is gone, resolve takes a new epoch and rolls back the rest."""
+    from onceflow.sinks.postgres.doctor import resolve
 
     db = Database(pg, f"resolve_{uid()}")
     sink = make_sink(db)
     lineage = str(uuid.uuid4())
-    with sink.data_source().open(lineage):  # the running driver; its batch 0 is in flight
+    driver = sink.data_source()
+    epoch = driver.open(lineage)  # the running driver (its idle connection stays); batch 0 in flight
+    assert epoch == 1
+    for gid in (f"onceflow:{sink.sink_id}:{lineage}:0:0:0:e{epoch}:run", f"onceflow:{sink.sink_id}:{lineage}:0:0:0:old"):
         with psycopg.connect(db.dsn, autocommit=True) as conn:
             conn.execute("BEGIN")
-            conn.execute(f"PREPARE TRANSACTION 'onceflow:{sink.sink_id}:{lineage}:0:0:0:run'")
-        report = resolve(db.dsn)
-    assert (report.committed, report.rolled_back, report.ok) == (0, 0, False)
-    assert "running driver" in report.skipped[0]
-    assert resolve(db.dsn).rolled_back == 1
+            conn.execute(f"PREPARE TRANSACTION '{gid}'")
+    report = resolve(db.dsn)
+    assert (report.committed, report.rolled_back, report.ok) == (0, 1, False)
+    assert "1 undecided prepared transaction(s) of the current epoch left to its driver" in report.skipped[0]
+    assert prepared(db, sink.sink_id) == [f"onceflow:{sink.sink_id}:{lineage}:0:0:0:e{epoch}:run"]
+    driver.close()  # the driver stops
+    deadline = time.monotonic() + 10
+    while rows(db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                   "AND starts_with(application_name, 'of:')")[0][0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    report = resolve(db.dsn)
+    assert (report.rolled_back, report.skipped) == (1, [])
+    assert prepared(db, sink.sink_id) == []
+    assert rows(db, "SELECT epoch FROM onceflow_epochs WHERE sink = %s", sink.sink_id) == [(2,)]
+
+
+# ---- epoch fencing (sink level, no Spark) -------------------------------------------------------
+
+
+def _kv():
+    from pyspark.sql import types as T
+
+    return T.StructType([T.StructField("id", T.LongType())])
+
+
+def write_task(source, lineage: str, batch: int, ids, partition: int = 0, attempt: int = 0):
+    """A task's pre-commit without Spark; returns its handle."""
+    import pyarrow as pa
+
+    from onceflow.sinks.base import TaskInfo
+
+    def batches():
+        yield pa.RecordBatch.from_arrays([pa.array(list(ids), pa.int64())], names=["id"])
+
+    handle, _ = source.pre_commit(TaskInfo(lineage, batch, partition, attempt), _kv(), False, batches())
+    return handle
+
+
+def opened(sink, lineage: str):
+    """(driver data source after validate + open, its epoch, a task data source with that epoch)."""
+    driver = sink.data_source()
+    driver.validate(_kv(), False)
+    epoch = driver.open(lineage)
+    return driver, epoch, sink.data_source({"epoch": str(epoch)})
+
+
+def test_rival_decision_is_refused_and_the_callers_transactions_stay_uncommitted(pg):
+    """decide() of a different decision for an already decided (lineage, batch) raises
+    FencedError naming both and records nothing; the caller's prepared gid is not committed.
+    A retry of the recorded decision itself is accepted.
+    Old code: INSERT ... ON CONFLICT DO NOTHING accepted the rival silently (no error), after
+    which the base writer COMMIT PREPAREd the caller's own gids."""
+    sink = make_sink(pg)
+    lineage = str(uuid.uuid4())
+    a, ea, a_task = opened(sink, lineage)
+    h1 = write_task(a_task, lineage, 1, range(10))
+    h2 = write_task(a_task, lineage, 1, range(100, 110), partition=1)
+    a.decide(Decision(lineage, 1, "fp-a", [h1], ea), _kv(), False)
+    with pytest.raises(FencedError, match="is already decided") as e:
+        a.decide(Decision(lineage, 1, "fp-b", [h2], ea), _kv(), False)
+    assert f"(epoch {ea}, fingerprint fp-a, 1 handle(s)); this driver proposed a different decision" in str(e.value)
+    assert f"(epoch {ea}, fingerprint fp-b, 1 handle(s))" in str(e.value)
+    assert a.decision(lineage, 1) == Decision(lineage, 1, "fp-a", [h1], ea)
+    assert prepared(pg, sink.sink_id) == sorted([h1["gid"], h2["gid"]])  # decide committed nothing
+    a.decide(Decision(lineage, 1, "fp-a", [h1], ea), _kv(), False)  # a retry of the recorded decision
+    b, eb, _ = opened(sink, lineage)  # rolls A's decided gid forward, its undecided one back
+    assert b.recovered == {"committed": 1, "rolled_back": 1}
+    with pytest.raises(FencedError, match=f"already decided \\(epoch {ea}, fingerprint fp-a"):
+        b.decide(Decision(lineage, 1, "fp-a", [], eb), _kv(), False)  # same offsets, another epoch
+    assert sorted(r[0] for r in rows(pg, f"SELECT id FROM {sink.table}")) == list(range(10))
+    assert prepared(pg, sink.sink_id) == []
+
+
+@pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
+def test_zombie_driver_is_fenced_and_nothing_of_it_becomes_visible(pg, pg_noprepared, mode):
+    """Driver A opens (epoch e) and its task pre-commits batch 1; A pauses. Driver B opens
+    (e + 1): A's undecided transaction is rolled back. A wakes up: its next task is refused
+    before writing, its decide and its abort are refused and change nothing, and B's transactions
+    are untouched; B's batch is the only one visible.
+    Old code: B's open() raised FencedError (A's advisory lock; a paused A keeps it forever), and
+    a zombie's task rolled back every prepared transaction of another Spark run id."""
+    server = server_for(mode, pg, pg_noprepared)
+    sink = make_sink(server, mode)
+    lineage = str(uuid.uuid4())
+    a, ea, a_task = opened(sink, lineage)
+    a_handle = write_task(a_task, lineage, 1, range(10))
+    b, eb, b_task = opened(sink, lineage)
+    assert eb == ea + 1
+    if mode == "two_phase":
+        assert b.recovered == {"committed": 0, "rolled_back": 1} and prepared(server, sink.sink_id) == []
+    b_handle = write_task(b_task, lineage, 1, range(100, 110))
+    # A wakes up
+    with pytest.raises(FencedError, match=f"write refused: this driver holds epoch {ea} of lineage {lineage}, but epoch {eb}"):
+        write_task(a_task, lineage, 2, range(10, 20))
+    with pytest.raises(FencedError, match=f"decide refused: this driver holds epoch {ea}"):
+        a.decide(Decision(lineage, 1, "fp", [a_handle], ea), _kv(), False)
+    if mode == "two_phase":
+        with pytest.raises(FencedError, match="abort refused"):
+            a.abort(lineage, 1, [b_handle])
+        assert prepared(server, sink.sink_id) == [b_handle["gid"]]
+    assert a.decision(lineage, 1) is None
+    b.decide(Decision(lineage, 1, "fp", [b_handle], eb), _kv(), False)
+    b.commit(b.decision(lineage, 1))
+    visible = sorted(r[0] for r in rows(server, f"SELECT id FROM {sink.table}"))
+    # idempotent: A's task committed its partition before B opened (that is its weaker
+    # visibility: a batch's committed partitions stay and the replay skips them)
+    assert visible == (list(range(100, 110)) if mode == "two_phase" else list(range(10)))
+    assert prepared(server, sink.sink_id) == []
+
+
+def test_idempotent_task_commits_nothing_once_its_epoch_is_superseded(pg_noprepared):
+    """An idempotent task's transaction makes its rows visible, so it re-reads the epoch FOR
+    SHARE in that transaction: a successor opening while the task writes makes it roll back
+    rows and marker. Old code: no check, the rows were committed."""
+    sink = make_sink(pg_noprepared, "idempotent")
+    lineage = str(uuid.uuid4())
+    _, epoch, task = opened(sink, lineage)
+
+    def batches():
+        import pyarrow as pa
+
+        yield pa.RecordBatch.from_arrays([pa.array(range(10), pa.int64())], names=["id"])
+        execute(pg_noprepared, f"UPDATE onceflow_epochs SET epoch = epoch + 1 WHERE lineage = '{lineage}'")
+        yield pa.RecordBatch.from_arrays([pa.array(range(10, 20), pa.int64())], names=["id"])
+
+    from onceflow.sinks.base import TaskInfo
+
+    with pytest.raises(FencedError, match=f"write refused: this driver holds epoch {epoch}"):
+        task.pre_commit(TaskInfo(lineage, 1, 0, 0), _kv(), False, batches())
+    assert rows(pg_noprepared, f"SELECT count(*) FROM {sink.table}") == [(0,)]
+    assert rows(pg_noprepared, "SELECT count(*) FROM onceflow_markers WHERE sink = %s", sink.sink_id) == [(0,)]
+
+
+PAUSED_DRIVER = """
+import os, signal, sys
+import psycopg
+from onceflow.sinks.postgres import PostgresSink
+from onceflow.sinks.postgres.fence import advisory_key, app_name
+
+dsn, table, sid, lineage = sys.argv[1:]
+source = PostgresSink(dsn, table, create_table=True, sink_id=sid).data_source()
+epoch = source.open(lineage)
+# a decide in progress: the lineage's decide lock and the epoch row FOR SHARE
+conn = psycopg.connect(dsn, autocommit=True, application_name=app_name(sid, lineage, epoch, "driver"))
+conn.execute("BEGIN")
+conn.execute("SELECT pg_advisory_xact_lock(%s)", [advisory_key("onceflow-decide", sid, lineage)])
+conn.execute("SELECT epoch FROM onceflow_epochs WHERE sink = %s AND lineage = %s FOR SHARE", [sid, lineage])
+print(epoch, flush=True)
+os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_paused_drivers_locks_do_not_block_the_successor(pg, tmp_path):
+    """A SIGSTOPped driver keeps its TCP connections, so PostgreSQL keeps its sessions, open
+    transactions and locks (here: idle in transaction, holding the decide lock and the epoch row
+    FOR SHARE). The successor's open() terminates them (identified by application_name) instead
+    of waiting, and can decide and commit.
+    Old code: the paused driver's session advisory lock made every later open() raise
+    FencedError ('another driver is running') for as long as the process stayed paused."""
+    import subprocess
+    import sys
+
+    sink = make_sink(pg)
+    lineage = str(uuid.uuid4())
+    sink.data_source().validate(_kv(), False)
+    (tmp_path / "paused.py").write_text(PAUSED_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "paused.py"), pg.dsn, sink.table, sink.sink_id, lineage],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        ea = int(proc.stdout.readline())
+        deadline = time.monotonic() + 20
+        while rows(pg, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' "
+                       "AND starts_with(application_name, 'of:')")[0][0] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        b, eb, b_task = opened(sink, lineage)
+        took = time.monotonic() - started
+        assert eb == ea + 1 and took < 10, took
+        handle = write_task(b_task, lineage, 1, range(5))
+        b.decide(Decision(lineage, 1, "fp", [handle], eb), _kv(), False)
+        b.commit(b.decision(lineage, 1))
+        assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(5,)]
+        assert rows(pg, "SELECT count(*) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                        "AND state = 'idle in transaction'") == [(0,)]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_unreachable_server_is_a_sink_error_in_every_step(pg):
+    """open (epoch), recovery, decision look-up, decide and commit of an unreachable server raise
+    a one-line SinkError naming host:port, never ConfigError and never the password."""
+    dead = PostgresSink(f"postgresql://postgres:{pg.password}@127.0.0.1:1/postgres", table="t", commit_deadline=0.5)
+    source = dead.data_source({"epoch": "3"})
+    lineage = str(uuid.uuid4())
+    steps = {
+        "open": lambda: source.open(lineage),
+        "recovery": lambda: source.recover(lineage),
+        "decision lookup": lambda: source.decision(lineage, 1),
+        "decide": lambda: source.decide(Decision(lineage, 1, "fp", [], 3), _kv(), False),
+        "commit": lambda: source.commit(Decision(lineage, 1, "fp", [{"gid": "g", "xid": 1}], 3)),
+    }
+    for purpose, step in steps.items():
+        with pytest.raises(SinkError) as e:
+            step()
+        msg = str(e.value)
+        assert f"{purpose} failed: PostgreSQL at 127.0.0.1:1/postgres unreachable" in msg, msg
+        assert "\n" not in msg and pg.password not in msg
 
 
 # ---- upsert constraints and the staging table ---------------------------------------------------
@@ -645,7 +863,7 @@ def test_upsert_constraint_violation_fails_its_task_and_a_merge_failure_is_one_l
     its task before any decision (nothing decided, committed or left prepared). A foreign key is
     only checked by the merge: it fails with a one-line error, the batch stays staged, and once
     the parent rows exist recovery (here: doctor's resolve) merges it."""
-    from onceflow.sinks.postgres_doctor import resolve
+    from onceflow.sinks.postgres.doctor import resolve
 
     db = Database(pg, f"constraints_{uid()}")
     sink = make_sink(db, write="upsert", keys=["k"])

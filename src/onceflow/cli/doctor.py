@@ -55,7 +55,7 @@ def _list_guarantees() -> None:
                 text = f"(cannot describe: {e})"
             click.echo(f"  {option}={mode}: {text}")
         if fmt == "onceflow-postgres":  # idempotent upsert has its own guarantee
-            from onceflow.sinks.postgres_doctor import guarantees
+            from onceflow.sinks.postgres.doctor import guarantees
 
             click.echo(f"  mode=idempotent write=upsert: {guarantees()[2]}")
 
@@ -92,8 +92,8 @@ def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve:
             failed |= not check.ok
     if postgres:
         from onceflow.sinks.postgres import mask_dsn
-        from onceflow.sinks.postgres_doctor import doctor as pg_doctor
-        from onceflow.sinks.postgres_doctor import resolve as pg_resolve
+        from onceflow.sinks.postgres.doctor import doctor as pg_doctor
+        from onceflow.sinks.postgres.doctor import resolve as pg_resolve
 
         try:
             click.echo(f"PostgreSQL at {mask_dsn(postgres)}:")

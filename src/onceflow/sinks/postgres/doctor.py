@@ -1,9 +1,15 @@
 """``onceflow doctor --postgres DSN [--resolve]``: checks and recovery for the PostgreSQL sink.
 
-:func:`doctor` inspects a server (read-only); :func:`resolve` applies the recovery rules of
-DESIGN.md section 3 to every dangling onceflow prepared transaction: commit it when a decision
-in ``onceflow_commit_log`` lists it, roll it back otherwise. Lineages whose fence is held by a
-running driver are skipped (that driver recovers them itself).
+Guarantees: :func:`doctor` only reads (reachability, version, slots, privileges, dangling
+prepared transactions, staged upsert rows) and never raises for an unreachable server (the
+first check says so). :func:`resolve` applies the recovery rules of DESIGN.md section 3 to every
+lineage with a dangling onceflow prepared transaction or staged upsert rows: it opens the sink
+for the lineage (a new epoch, so a driver that was stopped can never decide afterwards) and
+recovers: commit what a decision in ``onceflow_commit_log`` lists, roll back the rest, merge
+decided upsert batches. It never fences a running job: for a lineage with a connected session
+(:func:`~onceflow.sinks.postgres.fence.backends`: a running or paused driver, or idle Spark
+workers of a stopped query) it takes no epoch, only rolls forward and rolls back what
+superseded epochs left, and reports the current epoch's undecided transactions as skipped.
 """
 
 from __future__ import annotations
@@ -16,14 +22,10 @@ import psycopg
 from psycopg import sql
 
 from onceflow.errors import FencedError, OnceflowError
-from onceflow.sinks.postgres import (
-    GID,
-    SLOT_RULE,
-    PostgresDataSource,
-    split_dsn,
-    stage_tables,
-    where,
-)
+from onceflow.sinks.postgres.dsn import split_dsn, where
+from onceflow.sinks.postgres.fence import backends
+from onceflow.sinks.postgres.source import GID, SLOT_RULE, PostgresDataSource
+from onceflow.sinks.postgres.stage import stage_tables
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,7 @@ def doctor(dsn: str, log_schema: str = "public") -> list[CheckResult]:
             "create_privilege", bool(can_create),
             f"{user} can create tables in schema {log_schema}" if can_create else
             f"{user} cannot create tables in schema {log_schema}: grant CREATE, or create "
-            "onceflow_commit_log / onceflow_markers and the target table beforehand",
+            "onceflow_commit_log / onceflow_markers / onceflow_epochs and the target table beforehand",
         ))
         dangling = _dangling(conn, log_schema)
         n = sum(len(v) for v in dangling.values())
@@ -160,7 +162,8 @@ def guarantees() -> list[str]:
 
 def resolve(dsn: str, log_schema: str = "public") -> ResolveReport:
     """Commit decided and roll back undecided onceflow prepared transactions, then merge decided
-    upsert batches still staged (stopped jobs only)."""
+    upsert batches still staged. The current epoch's undecided transactions of a lineage with a
+    connected session are left alone and reported in ``skipped`` (stop that job first)."""
     report = ResolveReport()
     source = _source(dsn, log_schema=log_schema)
     try:
@@ -169,16 +172,32 @@ def resolve(dsn: str, log_schema: str = "public") -> ResolveReport:
         raise source._connect_error(e) from None
     with conn:
         groups = list(dict.fromkeys([*_dangling(conn, log_schema), *_staged(conn, log_schema)]))
-    for sink, lineage in groups:
-        try:
-            with _source(dsn, sink, log_schema).open(lineage) as fence:
-                report.committed += fence.recovered.get("committed", 0)
-                report.rolled_back += fence.recovered.get("rolled_back", 0)
-                report.merged += fence.recovered.get("merged", 0)
-        except FencedError:
-            report.skipped.append(f"{sink}/{lineage}: a running driver holds its fence")
-        except OnceflowError as e:
-            report.skipped.append(f"{sink}/{lineage}: {e}")
+        for sink, lineage in groups:
+            source = _source(dsn, sink, log_schema)
+            live = backends(conn, sink, lineage)
+            try:
+                if live:  # roll forward, and roll back only what superseded epochs left
+                    source.recover(lineage)
+                else:  # nobody there: a new epoch, then full recovery
+                    source.open(lineage)
+            except FencedError:
+                report.skipped.append(f"{sink}/{lineage}: a driver opened it while resolving; it recovers the lineage itself")
+                continue
+            except OnceflowError as e:
+                report.skipped.append(f"{sink}/{lineage}: {e}")
+                continue
+            finally:
+                source.close()
+            report.committed += source.recovered.get("committed", 0)
+            report.rolled_back += source.recovered.get("rolled_back", 0)
+            report.merged += source.recovered.get("merged", 0)
+            left = len(source._prepared(conn, source._prefix(lineage)))
+            if live and left:
+                pid, name, state = live[0]
+                report.skipped.append(
+                    f"{sink}/{lineage}: {left} undecided prepared transaction(s) of the current epoch left to its "
+                    f"driver, which is connected ({len(live)} session(s), e.g. backend pid {pid} '{name}', {state}; "
+                    "idle Spark workers of a stopped query count too); stop it, then resolve again")
     return report
 
 

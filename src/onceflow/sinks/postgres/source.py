@@ -1,0 +1,594 @@
+"""The Spark data source ``onceflow-postgres``: two-phase commit per micro-batch into PostgreSQL.
+
+Steps (DESIGN.md section 3): tasks pre-commit (two_phase: COPY + ``PREPARE TRANSACTION`` under
+a gid ``onceflow:<sink>:<lineage>:<batch>:<partition>:<attempt>:e<epoch>:<run>``; idempotent:
+rows + a marker in one local transaction); the driver records the decision (batch, fingerprint,
+handles, epoch) in ``onceflow_commit_log``, then commits (``COMMIT PREPARED``; upsert: merge).
+
+Guarantees:
+
+* A decision is recorded in one transaction that holds the lineage's decide lock and reads the
+  stored epoch ``FOR SHARE``: it is written only while the caller's epoch is current (else
+  FencedError, nothing written), and only if no decision of this batch exists or the existing
+  one is this very decision (a retry); a rival decision raises FencedError, so the caller never
+  commits its own gids. In two_phase it also checks that every listed gid is still prepared.
+* A gid is rolled back only when no decision lists it, under the same decide lock after
+  re-reading the decisions, and only by a holder of the current epoch (checked before and under
+  the lock): so a decided gid is never rolled back, and a fenced driver rolls back nothing.
+  Recovery and a task's clean-up roll back gids of older epochs (and, in a task, other attempts
+  of its own partition in its own epoch), never gids of a newer epoch.
+* ``COMMIT PREPARED`` of a decided gid and the merge of a decided upsert batch are roll-forward
+  steps anyone may take; they need no epoch.
+* A task of an older epoch raises FencedError before writing. An idempotent task's transaction
+  (which IS visibility) commits its rows and marker only while its epoch is current (``FOR
+  SHARE`` read in that transaction).
+* An unreachable server is a SinkError (retried until ``commit_deadline`` first), never a
+  ConfigError; errors are one line and never contain the password.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from pyspark.sql import types as T
+
+from onceflow.errors import ConfigError, FencedError, SinkError
+from onceflow.faults import maybe_crash
+from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.sinks.postgres import fence
+from onceflow.sinks.postgres.copy import _copy
+from onceflow.sinks.postgres.dsn import FORMAT, split_dsn, where
+from onceflow.sinks.postgres.session import Sessions
+from onceflow.sinks.postgres.stage import Staging, column_types
+from onceflow.sinks.postgres.types import Tables
+
+log = logging.getLogger(__name__)
+
+#: gids of this sink; ``e<epoch>`` is missing in gids written before epochs existed
+GID = re.compile(
+    r"^onceflow:(?P<sink>[A-Za-z0-9_.-]+):(?P<lineage>[^:]+):(?P<batch>\d+):(?P<partition>\d+)"
+    r":(?P<attempt>\d+)(?::e(?P<epoch>\d+))?:(?P<run>[0-9a-z-]+)$"
+)
+_SINK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+#: The one sizing rule for ``max_prepared_transactions`` (PREPARE error, doctor, docs).
+SLOT_RULE = (
+    "every write task of a two_phase batch holds one prepared transaction from its PREPARE until the "
+    "batch commits, so max_prepared_transactions must be at least the write partitions of all two_phase "
+    "onceflow queries running against the server, plus the prepared transactions anything else holds "
+    "there, plus headroom for speculative task attempts"
+)
+
+
+@dataclass
+class _Prepared:
+    gid: str
+    batch: int
+    partition: int
+    attempt: int
+    run: str
+    epoch: int | None  # None: written before epochs existed (older than any)
+
+    def older_than(self, epoch: int) -> bool:
+        return self.epoch is None or self.epoch < epoch
+
+
+def _handles(decision: Decision) -> list[Any]:
+    return [h for h in decision.handles or [] if h]
+
+
+class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
+    """``df.writeStream.format("onceflow-postgres").option("dsn", ...).option("table", ...)``."""
+
+    format_name = FORMAT
+    required_options = ("dsn", "table")
+    options_doc = {
+        "dsn": "libpq DSN or URL; a password in it is moved to the 'password' option",
+        "password": "password (Spark redacts options named like this in plans and logs)",
+        "table": "target table, optionally schema-qualified (schema.table)",
+        "mode": "two_phase (default; PREPARE TRANSACTION) or idempotent (rows + marker per task)",
+        "write": "append (default) or upsert (INSERT ... ON CONFLICT (keys) DO UPDATE)",
+        "keys": "comma-separated key columns (required for upsert)",
+        "create_table": "true: create the table from the stream's schema if it is missing",
+        "commit_deadline": "seconds to keep retrying while PostgreSQL is unreachable (default 60)",
+        "connect_timeout": "seconds for one connection attempt (default 5)",
+        "sink_id": "name of this sink, part of transaction ids and the commit log (default postgres)",
+        "log_schema": "schema of onceflow's tables onceflow_commit_log / onceflow_markers / onceflow_epochs (default public)",
+    }
+
+    def __init__(self, options):
+        super().__init__(options)
+        o = self.opts
+        self.conninfo, inline_password = split_dsn(o["dsn"])
+        self.password = o.get("password") or inline_password
+        self.where = where(self.conninfo)
+        self.mode = o.get("mode", "two_phase").lower()
+        self.write_kind = o.get("write", "append").lower()
+        self.keys = [k.strip() for k in o.get("keys", "").split(",") if k.strip()]
+        self.create_table = o.get("create_table", "false").lower() in ("true", "1", "yes")
+        self.sink_id = o.get("sink_id", "postgres")
+        self.log_schema = o.get("log_schema", "public")
+        try:
+            self.commit_deadline = float(o.get("commit_deadline", 60))
+            self.connect_timeout = max(2, int(float(o.get("connect_timeout", 5))))
+        except ValueError:
+            raise ConfigError(f"{FORMAT}: commit_deadline and connect_timeout must be numbers of seconds") from None
+        if self.mode not in ("two_phase", "idempotent"):
+            raise ConfigError(f"{FORMAT}: mode={self.mode!r}; use 'two_phase' or 'idempotent'")
+        if self.write_kind not in ("append", "upsert"):
+            raise ConfigError(f"{FORMAT}: write={self.write_kind!r}; use 'append' or 'upsert'")
+        if self.write_kind == "upsert" and not self.keys:
+            raise ConfigError(f"{FORMAT}: write=upsert needs keys, e.g. .option('keys', 'id')")
+        if not _SINK_ID.match(self.sink_id):
+            raise ConfigError(f"{FORMAT}: sink_id {self.sink_id!r}: use 1-64 letters, digits, '_', '-', '.'")
+        schema, _, name = o["table"].rpartition(".")
+        self.table_schema, self.table_name = schema or None, name
+        self.table = sql.Identifier(*filter(None, (schema, name)))
+        self.log_table = sql.Identifier(self.log_schema, "onceflow_commit_log")
+        self.marker_table = sql.Identifier(self.log_schema, "onceflow_markers")
+        self.epoch_table = sql.Identifier(self.log_schema, fence.EPOCH_TABLE)
+        digest = hashlib.sha1(f"{self.sink_id}:{o['table']}".encode()).hexdigest()[:16]
+        self.stage_table = sql.Identifier(self.log_schema, f"onceflow_stage_{digest}")
+        #: what the last :meth:`recover` did: {"committed": n, "rolled_back": m[, "merged": k]}
+        self.recovered: dict[str, int] = {}
+
+    def __repr__(self) -> str:
+        return f"PostgresDataSource({self.where}, table={self.opts['table']}, mode={self.mode}, sink_id={self.sink_id})"
+
+    def describe_guarantee(self) -> str:
+        if self.mode == "two_phase":
+            return ("exactly-once (two_phase): each batch is prepared per task and committed after a "
+                    "durable decision in onceflow_commit_log; a decided batch is never dropped")
+        if self.write_kind == "upsert":
+            return ("exactly-once effect (idempotent upsert): tasks commit staged rows with a marker; "
+                    "the driver merges a decided batch into the table in one transaction")
+        return ("exactly-once effect, weaker visibility (idempotent): tasks commit rows with a "
+                "marker; a batch can be partly visible until it completes or is replayed")
+
+    # ---- validation --------------------------------------------------------------------
+
+    def validate(self, schema: T.StructType, overwrite: bool) -> None:
+        """Reachability, prepared-transaction support, onceflow tables, target table and columns."""
+        if overwrite:
+            raise ConfigError(f"{FORMAT}: output mode 'complete' is not supported; use write=upsert with keys")
+        try:
+            conn = self._connect("validate")
+        except psycopg.OperationalError as e:
+            raise self._connect_error(e) from None
+        try:
+            with conn:
+                if self.mode == "two_phase":
+                    mpt = int(conn.execute("SHOW max_prepared_transactions").fetchone()[0])
+                    if mpt <= 0:
+                        raise ConfigError(
+                            f"{FORMAT}: mode two_phase needs max_prepared_transactions > 0 but PostgreSQL at "
+                            f"{self.where} has max_prepared_transactions = {mpt}; set it (e.g. 64, needs a "
+                            "server restart) or use mode='idempotent' (exactly-once effect, weaker visibility)"
+                        )
+                self._ensure_log_tables(conn)
+                self._check_table(conn, schema)
+                if self.write_kind == "upsert":
+                    self._ensure_stage_table(conn, schema)
+        except psycopg.errors.InsufficientPrivilege as e:
+            raise self._refused(e) from None
+        except psycopg.OperationalError as e:  # the server went away meanwhile
+            raise SinkError(f"{FORMAT}: validation failed: PostgreSQL at {self.where} unreachable ({self._safe(e)})") from None
+
+    def _refused(self, e: psycopg.Error) -> ConfigError:
+        return ConfigError(
+            f"{FORMAT}: PostgreSQL at {self.where} refused: {e.diag.message_primary}; grant the privilege "
+            "(onceflow creates onceflow_commit_log, onceflow_markers and onceflow_epochs in log_schema) "
+            "or create those tables beforehand"
+        )
+
+    def _ensure_log_tables(self, conn: psycopg.Connection) -> None:
+        """onceflow_commit_log (with its epoch column, added to older tables), onceflow_markers,
+        onceflow_epochs."""
+        with conn.transaction():
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", [fence.advisory_key("onceflow-ddl")])
+            conn.execute(sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, lineage text NOT NULL, "
+                "batch_id bigint NOT NULL, fingerprint text NOT NULL, handles jsonb NOT NULL, "
+                "committed_at timestamptz NOT NULL DEFAULT now(), epoch bigint, PRIMARY KEY (sink, lineage, batch_id))"
+            ).format(self.log_table))
+            has_epoch = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass "
+                "AND attname = 'epoch' AND NOT attisdropped)", [self.log_table.as_string(conn)],
+            ).fetchone()[0]
+            if not has_epoch:  # a commit log from before epochs (ALTER locks it: only when needed)
+                conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS epoch bigint").format(self.log_table))
+            conn.execute(sql.SQL(
+                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, lineage text NOT NULL, "
+                "batch_id bigint NOT NULL, partition integer NOT NULL, rows bigint NOT NULL DEFAULT 0, "
+                "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, lineage, batch_id, partition))"
+            ).format(self.marker_table))
+            fence.create_table(conn, self.epoch_table)
+
+    # ---- epochs and recovery -----------------------------------------------------------
+
+    def acquire_epoch(self, lineage: str) -> int:
+        """Raise the stored epoch of (sink, lineage) and return it, after terminating every
+        other session of this sink and lineage (see :mod:`onceflow.sinks.postgres.fence`)."""
+        def run(conn: psycopg.Connection) -> int:
+            self._ensure_log_tables(conn)
+            return fence.acquire(conn, self.epoch_table, self.sink_id, lineage, self.commit_deadline)
+
+        try:
+            epoch = self._retrying("open", run, role="open")
+        except psycopg.errors.InsufficientPrivilege as e:
+            raise self._refused(e) from None
+        log.info("%s: sink %s lineage %s at %s opened with epoch %d", FORMAT, self.sink_id, lineage, self.where, epoch)
+        return epoch
+
+    def _check(self, conn: psycopg.Connection, lineage: str, mine: int | None, what: str, lock: bool = False) -> int:
+        return fence.check(conn, self.epoch_table, self.sink_id, lineage, mine, what, lock)
+
+    def _prefix(self, lineage: str) -> str:
+        return f"onceflow:{self.sink_id}:{lineage}:"
+
+    @staticmethod
+    def _prepared(conn: psycopg.Connection, prefix: str) -> list[_Prepared]:
+        rows = conn.execute(
+            "SELECT gid FROM pg_prepared_xacts WHERE database = current_database() AND starts_with(gid, %s)",
+            [prefix],
+        ).fetchall()
+        out = []
+        for (gid,) in rows:
+            m = GID.match(gid)
+            if m:
+                out.append(_Prepared(gid, int(m["batch"]), int(m["partition"]), int(m["attempt"]), m["run"],
+                                     int(m["epoch"]) if m["epoch"] else None))
+        return out
+
+    def _decided_gids(self, conn: psycopg.Connection, lineage: str, batches: set[int]) -> dict[int, set[str]]:
+        try:
+            rows = conn.execute(
+                sql.SQL("SELECT batch_id, handles FROM {} WHERE sink = %s AND lineage = %s AND batch_id = ANY(%s)").format(self.log_table),
+                [self.sink_id, lineage, sorted(batches)],
+            ).fetchall()
+        except psycopg.errors.UndefinedTable:  # no commit log yet: nothing was ever decided here
+            return {}
+        return {b: {h["gid"] for h in handles if isinstance(h, dict) and "gid" in h} for b, handles in rows}
+
+    def _finish(self, conn: psycopg.Connection, verb: str, gid: str) -> bool:
+        """COMMIT/ROLLBACK PREPARED; False when the gid is no longer prepared."""
+        try:
+            conn.execute(sql.SQL(verb + " PREPARED {}").format(sql.Literal(gid)))
+            return True
+        except psycopg.errors.UndefinedObject:
+            return False
+
+    def _rollback_undecided(self, conn: psycopg.Connection, lineage: str, candidates: list[_Prepared],
+                            mine: int, what: str) -> int:
+        """Roll back candidates that no decision lists, holding the lineage's decide lock, as the
+        holder of epoch ``mine`` (checked before and under the lock; else FencedError)."""
+        if not candidates:
+            return 0
+        self._check(conn, lineage, mine, what)  # a fenced caller never even takes the lock
+        lock = fence.advisory_key("onceflow-decide", self.sink_id, lineage)
+        conn.execute("SELECT pg_advisory_lock(%s)", [lock])
+        try:
+            self._check(conn, lineage, mine, what)
+            decided = self._decided_gids(conn, lineage, {c.batch for c in candidates})
+            return sum(
+                self._finish(conn, "ROLLBACK", c.gid)
+                for c in candidates if c.gid not in decided.get(c.batch, set())
+            )
+        finally:
+            conn.execute("SELECT pg_advisory_unlock(%s)", [lock])
+
+    def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
+        """Commit prepared gids listed in a decision; roll back the undecided ones of this or
+        older epochs, except ``in_flight``; merge decided upsert batches still staged.
+
+        Without an epoch of its own (not opened: ``onceflow doctor --resolve`` beside a connected
+        driver) it rolls back only gids of epochs older than the stored one, whose drivers are
+        fenced, and leaves the current driver's alone.
+        """
+        keep = {h["gid"] for h in in_flight if isinstance(h, dict) and "gid" in h}
+
+        def run(conn: psycopg.Connection) -> dict[str, int]:
+            mine = self.epoch if self.epoch is not None else fence.stored_epoch(conn, self.epoch_table, self.sink_id, lineage)
+            committed = rolled_back = 0
+            prepared = [p for p in self._prepared(conn, self._prefix(lineage)) if p.gid not in keep]
+            if prepared:
+                decided = self._decided_gids(conn, lineage, {p.batch for p in prepared})
+                committed = sum(
+                    self._finish(conn, "COMMIT", p.gid) for p in prepared if p.gid in decided.get(p.batch, set())
+                )
+                stale = [
+                    p for p in prepared
+                    if p.gid not in decided.get(p.batch, set())
+                    and (p.older_than(mine) or (p.epoch == mine and self.epoch is not None))
+                ]
+                rolled_back = self._rollback_undecided(conn, lineage, stale, mine, "recovery") if stale else 0
+            # after the COMMIT PREPAREDs: every decided batch's rows are staged
+            merged = self._merge_decided(conn, lineage)
+            counts = {"committed": committed, "rolled_back": rolled_back}
+            return counts | ({"merged": merged} if merged or self.write_kind == "upsert" else {})
+
+        self.recovered = self._retrying("recovery", run, lineage)
+        return self.recovered
+
+    def _merge_decided(self, conn: psycopg.Connection, lineage: str) -> int:
+        """Upsert recovery: merge every decided batch of the lineage that still has staged rows."""
+        merged = 0
+        for stage in self._stages(conn):
+            staged = [b for (b,) in conn.execute(sql.SQL(
+                "SELECT DISTINCT _onceflow_batch FROM {} WHERE _onceflow_lineage = %s ORDER BY 1").format(stage[0]),
+                [lineage])]
+            decided = self._decided_gids(conn, lineage, set(staged)) if staged else {}
+            for b in staged:
+                if b in decided:
+                    self._merge(conn, lineage, b, stage)
+                    merged += 1
+        return merged
+
+    # ---- tasks -------------------------------------------------------------------------
+
+    def is_decided(self, lineage: str, batch_id: int) -> bool:
+        return self._retrying("decision lookup", lambda conn: self._is_decided(conn, lineage, batch_id), lineage, "task")
+
+    def _is_decided(self, conn: psycopg.Connection, lineage: str, batch_id: int) -> bool:
+        q = sql.SQL("SELECT 1 FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table)
+        return conn.execute(q, [self.sink_id, lineage, batch_id]).fetchone() is not None
+
+    def _task_epoch(self, conn: psycopg.Connection, lineage: str) -> int:
+        """The task's epoch: the ``epoch`` option, which must not be older than the stored one
+        (else FencedError); without it (plain writeStream) the stored epoch."""
+        current = fence.stored_epoch(conn, self.epoch_table, self.sink_id, lineage)
+        mine = self.epoch
+        if mine is None:
+            return current
+        if mine < current:
+            raise fenced(FORMAT, lineage, mine, current, "write")
+        return mine
+
+    def _write_rows(self, cur: psycopg.Cursor, task: TaskInfo, schema: T.StructType, batches: Iterator) -> int:
+        """COPY the partition into the table (append) or the staging table (upsert)."""
+        target, stage = (self.table, None) if self.write_kind == "append" else (
+            self.stage_table, (task.lineage, task.batch_id, task.partition))
+        types = column_types(cur.connection, target)
+        if types is None:
+            raise SinkError(f"{FORMAT}: table {target.as_string(cur)} vanished while the query runs; restart the query")
+        try:
+            return _copy(cur, target, schema.names, batches, types, stage)
+        except psycopg.errors.DataError as e:
+            where_ = re.sub(r"(column [^:]+):.*", r"\1", (e.diag.context or "").splitlines()[0] if e.diag.context else "")
+            raise SinkError(
+                f"{FORMAT}: a row of batch {task.batch_id} does not fit table {self.opts['table']}: "
+                f"{e.diag.message_primary}{f' ({where_})' if where_ else ''}; widen the column or cast/truncate "
+                "it in the transform (nothing of this batch was committed; it is replayed after the restart)"
+            ) from None
+        except psycopg.errors.IntegrityError as e:  # NOT NULL / CHECK (also repeated on the staging table)
+            raise SinkError(
+                f"{FORMAT}: a row of batch {task.batch_id} violates a constraint of table {self.opts['table']}: "
+                f"{e.diag.message_primary}; fix the row in the transform or the constraint (nothing of this "
+                "batch was committed or decided; it is replayed after the restart)"
+            ) from None
+
+    def pre_commit(self, task: TaskInfo, schema: T.StructType, overwrite: bool, batches: Iterator) -> tuple[Any, int]:
+        """Check the epoch (FencedError when older than the stored one) and clean up stale
+        transactions, then write: two_phase COPY + PREPARE under a gid carrying the epoch;
+        idempotent rows + marker (:meth:`_pre_commit_idempotent`)."""
+        run, lineage = _run_id(), task.lineage
+
+        def start(conn: psycopg.Connection) -> int:  # also proves the session alive before any row is consumed
+            epoch = self._task_epoch(conn, lineage)
+            if self.mode == "two_phase":
+                self._clean_stale(conn, task, run, epoch)
+            return epoch
+
+        epoch = self._retrying("task", start, lineage, "task")
+        try:
+            return self._pre_commit(task, schema, batches, run, epoch)
+        except psycopg.OperationalError as e:  # connection lost while writing: the task is retried
+            raise SinkError(f"{FORMAT}: task of batch {task.batch_id} failed: PostgreSQL at {self.where} "
+                            f"unreachable ({self._safe(e)}); the task is retried or the batch replayed") from None
+
+    def _pre_commit(self, task: TaskInfo, schema: T.StructType, batches: Iterator, run: str, epoch: int) -> tuple[Any, int]:
+        lineage = task.lineage
+        with self._session("task", lineage) as conn:
+            if self.mode == "idempotent":
+                return self._pre_commit_idempotent(conn, task, schema, batches, epoch)
+            gid = f"onceflow:{self.sink_id}:{lineage}:{task.batch_id}:{task.partition}:{task.attempt}:e{epoch}:{run}"
+            with conn.cursor() as cur:
+                cur.execute("BEGIN")
+                rows = self._write_rows(cur, task, schema, batches)
+                if rows == 0:
+                    cur.execute("ROLLBACK")
+                    return None, 0
+                xid = cur.execute("SELECT txid_current()").fetchone()[0]
+                try:
+                    cur.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+                except psycopg.Error as e:
+                    if "prepared transactions" not in str(e):
+                        raise
+                    raise SinkError(
+                        f"{FORMAT}: PostgreSQL at {self.where} has no free prepared-transaction slot "
+                        f"({e.diag.message_primary}): {SLOT_RULE}; raise it (server restart), "
+                        "coalesce() the stream to fewer partitions, or resolve dangling prepared "
+                        "transactions (onceflow doctor --postgres DSN --resolve)"
+                    ) from None
+            # A decision recorded meanwhile cannot list this gid: do not leave it dangling.
+            if self._is_decided(conn, lineage, task.batch_id):
+                self._finish(conn, "ROLLBACK", gid)
+                return None, 0
+            return {"gid": gid, "xid": xid}, rows
+
+    def _clean_stale(self, conn: psycopg.Connection, task: TaskInfo, run: str, epoch: int) -> None:
+        """Roll back undecided gids of this lineage of older epochs (their drivers are fenced)
+        and other attempts of this very partition in this epoch: they are dead, and their row
+        locks would block an upsert. Gids of a newer epoch are never touched."""
+        stale = [
+            p for p in self._prepared(conn, self._prefix(task.lineage))
+            if p.older_than(epoch)
+            or (p.epoch == epoch and p.batch == task.batch_id and p.partition == task.partition
+                and (p.attempt, p.run) != (task.attempt, run))
+        ]
+        if stale:
+            n = self._rollback_undecided(conn, task.lineage, stale, epoch, "clean-up of stale transactions")
+            log.info("%s: rolled back %d stale prepared transaction(s) of %s", FORMAT, n, task.lineage)
+
+    def _pre_commit_idempotent(self, conn: psycopg.Connection, task: TaskInfo, schema: T.StructType,
+                               batches: Iterator, epoch: int) -> tuple[Any, int]:
+        """Rows and marker in one local transaction, committed only while ``epoch`` is current."""
+        with conn.transaction(), conn.cursor() as cur:
+            cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", [fence.advisory_key("onceflow-decide", self.sink_id, task.lineage)])
+            if self._is_decided(conn, task.lineage, task.batch_id):
+                return None, 0
+            ident = [self.sink_id, task.lineage, task.batch_id, task.partition]
+            fresh = cur.execute(sql.SQL(
+                "INSERT INTO {} (sink, lineage, batch_id, partition) VALUES (%s, %s, %s, %s) "
+                "ON CONFLICT DO NOTHING RETURNING 1").format(self.marker_table), ident).fetchone()
+            if fresh is None:  # an earlier attempt committed this partition
+                done = cur.execute(sql.SQL(
+                    "SELECT rows FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
+                ).format(self.marker_table), ident).fetchone()[0]
+                return {"partition": task.partition, "rows": done}, done
+            rows = self._write_rows(cur, task, schema, batches)
+            cur.execute(sql.SQL(
+                "UPDATE {} SET rows = %s WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
+            ).format(self.marker_table), [rows, *ident])
+            # Committing this transaction makes the rows visible: only while our epoch is current.
+            self._check(conn, task.lineage, epoch, "write", lock=True)
+        return {"partition": task.partition, "rows": rows}, rows
+
+    # ---- driver ------------------------------------------------------------------------
+
+    def _decision_row(self, conn: psycopg.Connection, lineage: str, batch_id: int) -> Decision | None:
+        q = "SELECT fingerprint, handles, {epoch} FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s"
+        args = [self.sink_id, lineage, batch_id]
+        try:
+            row = conn.execute(sql.SQL(q).format(self.log_table, epoch=sql.SQL("epoch")), args).fetchone()
+        except psycopg.errors.UndefinedColumn:  # a commit log from before epochs (autocommit only)
+            row = conn.execute(sql.SQL(q).format(self.log_table, epoch=sql.SQL("NULL::bigint")), args).fetchone()
+        return None if row is None else Decision(lineage, batch_id, row[0], list(row[1]), row[2])
+
+    def decision(self, lineage: str, batch_id: int) -> Decision | None:
+        """The recorded decision (with its epoch), or None (also when the commit log does not exist yet)."""
+        def run(conn: psycopg.Connection) -> Decision | None:
+            try:
+                return self._decision_row(conn, lineage, batch_id)
+            except psycopg.errors.UndefinedTable:  # no commit log yet: nothing was ever decided here
+                return None
+
+        return self._retrying("decision lookup", run, lineage)
+
+    def decide(self, decision: Decision, schema: T.StructType, overwrite: bool) -> None:
+        """Record the decision in one transaction that checks, under the lineage's decide lock:
+        the stored epoch (FOR SHARE) is the decision's, the batch is undecided or decided with
+        this very decision, and (two_phase) every gid is still prepared."""
+        lineage, batch, mine = decision.lineage, decision.batch_id, decision.epoch
+        handles = _handles(decision)
+        ours = Decision(lineage, batch, decision.fingerprint, handles, mine)
+
+        def run(conn: psycopg.Connection) -> None:
+            self._check(conn, lineage, mine, "decide")  # a fenced caller never even takes the lock
+            with conn.transaction():
+                conn.execute("SELECT pg_advisory_xact_lock(%s)", [fence.advisory_key("onceflow-decide", self.sink_id, lineage)])
+                self._check(conn, lineage, mine, "decide", lock=True)
+                existing = self._decision_row(conn, lineage, batch)
+                if existing is not None:
+                    if existing.same_as(ours):
+                        return  # our own earlier attempt (connection lost after COMMIT) recorded it
+                    raise self._rival(existing, ours)
+                if self.mode == "two_phase" and handles:
+                    gids = [h["gid"] for h in handles]
+                    present = {r[0] for r in conn.execute("SELECT gid FROM pg_prepared_xacts WHERE gid = ANY(%s)", [gids])}
+                    gone = [g for g in gids if g not in present]
+                    if gone:
+                        raise SinkError(
+                            f"{FORMAT}: batch {batch} of {lineage} not decided: prepared transaction(s) "
+                            f"{', '.join(gone)} vanished (rolled back by an operator or another driver); "
+                            "the query fails and the batch is replayed"
+                        )
+                conn.execute(sql.SQL(
+                    "INSERT INTO {} (sink, lineage, batch_id, fingerprint, handles, epoch) VALUES (%s, %s, %s, %s, %s, %s)"
+                ).format(self.log_table), [self.sink_id, lineage, batch, decision.fingerprint, json.dumps(handles), mine])
+                if self.mode == "idempotent":
+                    conn.execute(sql.SQL("DELETE FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.marker_table),
+                                 [self.sink_id, lineage, batch])
+
+        self._retrying("decide", run, lineage, epoch=mine)
+
+    def _rival(self, existing: Decision, ours: Decision) -> FencedError:
+        def what(d: Decision) -> str:
+            return f"epoch {d.epoch}, fingerprint {d.fingerprint}, {len(d.handles or [])} handle(s)"
+
+        return FencedError(
+            f"{FORMAT}: decide refused: batch {ours.batch_id} of lineage {ours.lineage} (sink {self.sink_id}) "
+            f"is already decided ({what(existing)}); this driver proposed a different decision "
+            f"({what(ours)}). Nothing was recorded and none of this driver's transactions is committed; "
+            "two drivers (or commit processes) ran the same lineage, this one stops"
+        )
+
+    def commit(self, decision: Decision) -> None:
+        """COMMIT PREPARED every decided gid still prepared; roll back the batch's other gids;
+        for upsert, then merge the batch's staged rows into the table (one local transaction).
+
+        Retries while PostgreSQL is unreachable until commit_deadline, then raises SinkError.
+        """
+        handles = _handles(decision)
+        lineage, batch = decision.lineage, decision.batch_id
+        if self.mode == "idempotent":  # rows (append) or staged rows (upsert) were committed by the tasks
+            if self.write_kind == "upsert":
+                self._retrying("commit", lambda conn: self._merge(conn, lineage, batch), lineage)
+            return
+
+        def run(conn: psycopg.Connection) -> None:
+            done = 0
+            for h in handles:
+                if self._finish(conn, "COMMIT", h["gid"]):
+                    done += 1
+                else:
+                    status = conn.execute("SELECT txid_status(%s)", [h["xid"]]).fetchone()[0]
+                    if status == "aborted":
+                        raise SinkError(
+                            f"{FORMAT}: decided transaction {h['gid']} of batch {batch} was rolled back "
+                            "outside onceflow; its rows are lost, restore from a savepoint"
+                        )
+                if done == 1 and len(handles) >= 2:
+                    maybe_crash("mid_commit", batch, None, self.opts)
+            keep = {h["gid"] for h in handles}
+            for p in self._prepared(conn, f"{self._prefix(lineage)}{batch}:"):
+                if p.gid not in keep:
+                    self._finish(conn, "ROLLBACK", p.gid)
+            if self.write_kind == "upsert":
+                self._merge(conn, lineage, batch)
+
+        self._retrying("commit", run, lineage)
+
+    def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
+        """Roll back these undecided gids, as the holder of the current epoch (without an epoch,
+        in a plain writeStream whose commit process has not opened yet: the stored one)."""
+        if self.mode == "idempotent":
+            return  # committed partitions stay; the replay skips them through their markers
+        gids = {h["gid"] for h in handles if h}
+        if not gids:
+            return
+
+        def run(conn: psycopg.Connection) -> int:
+            prepared = [p for p in self._prepared(conn, f"{self._prefix(lineage)}{batch_id}:") if p.gid in gids]
+            mine = self.epoch if self.epoch is not None else fence.stored_epoch(conn, self.epoch_table, self.sink_id, lineage)
+            return self._rollback_undecided(conn, lineage, prepared, mine, "abort")
+
+        self._retrying("abort", run, lineage)
+
+def _run_id() -> str:
+    """Spark's run id of the streaming query (its job group), or 'unknown' (also outside Spark)."""
+    try:
+        from pyspark import TaskContext
+
+        tc = TaskContext.get()
+    except Exception:  # noqa: BLE001 - no Spark task here
+        tc = None
+    value = tc.getLocalProperty("spark.jobGroup.id") if tc else None
+    return (value or "unknown").lower()
