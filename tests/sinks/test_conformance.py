@@ -128,7 +128,6 @@ def _kafka_case(bootstrap: str) -> Case:
 @pytest.fixture(scope="module")
 def kafka_bootstrap() -> Iterator[str]:
     from kafka_broker import KafkaBroker
-
     from onceflow.sinks.kafka import close_all
 
     with KafkaBroker() as broker:
