@@ -45,7 +45,7 @@ def kill_my_executor_mid_batch(batches):
             with psycopg.connect(os.environ["DSN"]) as conn:
                 pending = conn.execute(  # this batch's prepared partitions
                     "SELECT count(*) FROM pg_prepared_xacts WHERE gid ~ %s",
-                    [f"^onceflow:postgres:[^:]+:{os.environ['KILL_BATCH']}:[0-9]+:[0-9]+:[^:]+$"],
+                    [f"^onceflow:postgres:[^:]+:{os.environ['KILL_BATCH']}:[0-9]+:[0-9]+:e[0-9]+:[^:]+$"],
                 ).fetchone()[0]
             jvm = executor_jvm()
             assert jvm is not None, "no executor JVM among this worker's ancestors"

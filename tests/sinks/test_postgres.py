@@ -236,37 +236,8 @@ def test_type_mapping_and_values_round_trip(spark, pg, tmp_path, with_decimal):
 # ---- crash windows (DESIGN.md section 3) --------------------------------------------------------
 
 
-@pytest.mark.parametrize("point", TASK_POINTS + DRIVER_POINTS)
-@pytest.mark.parametrize("mode", ["two_phase", "idempotent"])
-def test_crash_window(spark, pg, pg_noprepared, tmp_path, mode, point):
-    """Task points raise in one task (Spark retries it: 'executor lost after its pre-commit' is
-    after_precommit); driver points fail the query, which is restarted on the same checkpoint."""
-    if mode == "idempotent" and point == "mid_commit":
-        pytest.skip("idempotent mode has no mid-commit window: tasks commit their own rows")
-    server = server_for(mode, pg, pg_noprepared)
-    sink = make_sink(server, mode)
-    raw = server.dsn if point == "after_decide" else None  # plain writeStream, password inside the dsn option
-    err = run_stream(spark, tmp_path, sink, crash=f"{point}@1:raise", raw_dsn=raw)
-    assert list((tmp_path / "markers").iterdir()), "the crash point never fired"
-    visible = rows(server, f"SELECT count(*) FROM {sink.table}")[0][0]
-    if point in TASK_POINTS:
-        assert err is None  # the retried task finished the batch
-    else:
-        assert err and "InjectedCrash" in err and server.password not in err
-        pending, decided = prepared(server, sink.sink_id), decided_batches(server, sink.sink_id)
-        expect_decided = point != "before_decide"
-        assert (1 in decided) == expect_decided
-        if mode == "two_phase":
-            # Spark aborts a batch whose commit raised: undecided handles are rolled back then;
-            # decided ones stay pending until the restart commits them (batch 1 has 2 handles).
-            expect = {"before_decide": (0, 0), "after_decide": (2, 0), "mid_commit": (1, 500), "after_commit": (0, 1000)}
-            assert (len(pending), visible) == expect[point]
-        else:
-            assert (len(pending), visible) == (0, 1000)  # tasks' rows are visible before any decision
-        assert run_stream(spark, tmp_path, sink, raw_dsn=raw) is None
-    assert_exactly_once(server, sink.table, TOTAL, sink.sink_id)
-    for f in (tmp_path / "ckpt").rglob("*"):  # event log, offsets, metadata
-        assert not f.is_file() or server.password.encode() not in f.read_bytes(), f
+# The crash-window matrix (raise in each window, restart in-process) runs against every sink in
+# tests/sinks/test_conformance.py; real SIGKILLs of the driver in each window are below.
 
 
 KILL_JOB = """
