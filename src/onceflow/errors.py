@@ -27,6 +27,10 @@ class FingerprintMismatch(OnceflowError):
     """The sink already committed this (lineage, batch) with different source offsets."""
 
 
+class ReplayMismatch(FingerprintMismatch):
+    """A replayed task read other rows than the attempt that committed its partition."""
+
+
 class FencedError(OnceflowError):
     """A newer driver incarnation holds the fence (epoch or lease) for this lineage.
 
@@ -54,5 +58,5 @@ class InjectedCrash(RuntimeError):
 #: Exception class names that, found in a Spark failure's text, carry an onceflow error
 #: raised inside Spark (a task or the commit runner) -> the class to re-raise in the driver.
 BY_NAME: dict[str, type[OnceflowError]] = {
-    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, FencedError, SinkError)
+    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError)
 }

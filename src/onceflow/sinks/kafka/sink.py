@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructType
 
-from onceflow.errors import ConfigError, FencedError, FingerprintMismatch, SinkError
+from onceflow.errors import ConfigError, FencedError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.kafka_client import broker_config, error_text, is_fenced, redact
 from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
@@ -54,6 +54,7 @@ from onceflow.sinks.kafka.markers import (
     routing_key,
 )
 from onceflow.sinks.kafka.probe import cached_probe, warn_unverified
+from onceflow.sinks.replay import ContentDigest, check_replay, task_fingerprint
 
 log = logging.getLogger("onceflow.sinks.kafka")
 
@@ -291,26 +292,31 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
             P.drop_producer(txn)
 
     def _pre_commit_txn(self, task: TaskInfo, schema: StructType, producer, txn: str, batches: Iterator):
-        fingerprint = _task_fingerprint(self.opts.get("checkpointlocation"), task.batch_id)
+        fingerprint = task_fingerprint(self.opts.get("checkpointlocation"), task.batch_id)
         markers = self._refreshed(task.lineage, {txn})
         self._check_task_epoch(markers, task.lineage, task.batch_id, task.partition)
         done = markers.parts.get((self.sink_id, task.lineage, task.batch_id, task.partition))
+        digest = ContentDigest()
         if done is not None:
-            _check_fingerprint(done.get("fingerprint", "unknown"), fingerprint, task, self.sink_id)
-            for _ in batches:  # drain: upstream state commits only when the input is consumed
+            # Drained (upstream state commits only when the input is consumed) and digested:
+            # skipped only when this replay read what the committed attempt read.
+            for _ in digest.feed(batches):
                 pass
+            check_replay(f"{FORMAT} sink {self.sink_id}", task.batch_id, task.partition, task.lineage,
+                         stored_fingerprint=done.get("fingerprint"), fingerprint=fingerprint,
+                         stored_digest=done.get("digest"), digest=digest.hexdigest())
             log.info("%s: batch %d partition %d already committed by attempt %s; skipped",
                      FORMAT, task.batch_id, task.partition, done.get("attempt"))
             return {"partition": task.partition, "attempt": done.get("attempt"),
                     "rows": done.get("rows"), "reused": True}, 0
-        with P.Spool(batches) as spool:  # Spark computes the partition here, no transaction open
+        with P.Spool(digest.feed(batches)) as spool:  # Spark computes the partition here, no transaction open
             # Checked again: a newer driver may have opened while the partition was computed.
             self._check_task_epoch(self._refreshed(task.lineage, {txn}), task.lineage, task.batch_id,
                                    task.partition)
-            return self._produce_txn(task, schema, producer, txn, spool, fingerprint)
+            return self._produce_txn(task, schema, producer, txn, spool, fingerprint, digest.hexdigest())
 
     def _produce_txn(self, task: TaskInfo, schema: StructType, producer, txn: str, spool: P.Spool,
-                     fingerprint: str):
+                     fingerprint: str, digest: str):
         """One Kafka transaction: the spooled rows, then the partition marker."""
         from confluent_kafka import KafkaException
 
@@ -326,7 +332,8 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                                 f"{len(errors)} record(s) not delivered, first: {errors[0]}")
             marker = {"type": "partition", "sink": self.sink_id, "lineage": task.lineage,
                       "batch": task.batch_id, "partition": task.partition, "attempt": task.attempt,
-                      "rows": rows, "fingerprint": fingerprint, "txn": txn, "epoch": self.epoch}
+                      "rows": rows, "fingerprint": fingerprint, "digest": digest, "txn": txn,
+                      "epoch": self.epoch}
             self._produce_marker(producer, task.lineage,
                                  partition_key(self.sink_id, task.lineage, task.batch_id, task.partition), marker)
             producer.commit_transaction(self.timeout)
@@ -514,28 +521,6 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
             log.warning("%s: lineage %s: %d decision marker(s) written by fenced drivers after a newer "
                         "epoch opened are ignored", FORMAT, lineage, ignored)
         return {"open_transactions_aborted": count}
-
-
-def _task_fingerprint(checkpoint: str | None, batch_id: int) -> str:
-    """Batch N's fingerprint from ``offsets/N`` (tasks read the shared checkpoint), or 'unknown'."""
-    if not checkpoint:
-        return "unknown"
-    try:
-        from onceflow.checkpoint.layout import CheckpointDir
-
-        return CheckpointDir(checkpoint).offsets(batch_id).fingerprint
-    except Exception:  # noqa: BLE001 - executors without access to the checkpoint
-        return "unknown"
-
-
-def _check_fingerprint(stored: str, current: str, task: TaskInfo, sink_id: str) -> None:
-    if stored != current and "unknown" not in (stored, current):
-        raise FingerprintMismatch(
-            f"{FORMAT}: sink {sink_id} batch {task.batch_id} partition {task.partition} of lineage "
-            f"{task.lineage} was already committed from different source offsets (stored "
-            f"fingerprint {stored}, this run {current}). The checkpoint was restored from an older "
-            "savepoint or edited while keeping the lineage: restart with 'onceflow run "
-            "--from-savepoint SP --fork' to get a new lineage.")
 
 
 # ---- user-facing configuration -------------------------------------------------------------

@@ -43,12 +43,13 @@ from pyspark.sql import types as T
 from onceflow.errors import ConfigError, FencedError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
-from onceflow.sinks.postgres import fence
+from onceflow.sinks.postgres import fence, logtables
 from onceflow.sinks.postgres.copy import _copy
 from onceflow.sinks.postgres.dsn import FORMAT, split_dsn, where
 from onceflow.sinks.postgres.session import Sessions
 from onceflow.sinks.postgres.stage import Staging, column_types
 from onceflow.sinks.postgres.types import Tables
+from onceflow.sinks.replay import ContentDigest, check_replay, task_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -131,8 +132,8 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
         schema, _, name = o["table"].rpartition(".")
         self.table_schema, self.table_name = schema or None, name
         self.table = sql.Identifier(*filter(None, (schema, name)))
-        self.log_table = sql.Identifier(self.log_schema, "onceflow_commit_log")
-        self.marker_table = sql.Identifier(self.log_schema, "onceflow_markers")
+        self.log_table = sql.Identifier(self.log_schema, logtables.COMMIT_LOG)
+        self.marker_table = sql.Identifier(self.log_schema, logtables.MARKERS)
         self.epoch_table = sql.Identifier(self.log_schema, fence.EPOCH_TABLE)
         digest = hashlib.sha1(f"{self.sink_id}:{o['table']}".encode()).hexdigest()[:16]
         self.stage_table = sql.Identifier(self.log_schema, f"onceflow_stage_{digest}")
@@ -189,27 +190,7 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
         )
 
     def _ensure_log_tables(self, conn: psycopg.Connection) -> None:
-        """onceflow_commit_log (with its epoch column, added to older tables), onceflow_markers,
-        onceflow_epochs."""
-        with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", [fence.advisory_key("onceflow-ddl")])
-            conn.execute(sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, lineage text NOT NULL, "
-                "batch_id bigint NOT NULL, fingerprint text NOT NULL, handles jsonb NOT NULL, "
-                "committed_at timestamptz NOT NULL DEFAULT now(), epoch bigint, PRIMARY KEY (sink, lineage, batch_id))"
-            ).format(self.log_table))
-            has_epoch = conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = %s::regclass "
-                "AND attname = 'epoch' AND NOT attisdropped)", [self.log_table.as_string(conn)],
-            ).fetchone()[0]
-            if not has_epoch:  # a commit log from before epochs (ALTER locks it: only when needed)
-                conn.execute(sql.SQL("ALTER TABLE {} ADD COLUMN IF NOT EXISTS epoch bigint").format(self.log_table))
-            conn.execute(sql.SQL(
-                "CREATE TABLE IF NOT EXISTS {} (sink text NOT NULL, lineage text NOT NULL, "
-                "batch_id bigint NOT NULL, partition integer NOT NULL, rows bigint NOT NULL DEFAULT 0, "
-                "written_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (sink, lineage, batch_id, partition))"
-            ).format(self.marker_table))
-            fence.create_table(conn, self.epoch_table)
+        logtables.ensure(conn, self.log_schema)
 
     # ---- epochs and recovery -----------------------------------------------------------
 
@@ -439,24 +420,38 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
 
     def _pre_commit_idempotent(self, conn: psycopg.Connection, task: TaskInfo, schema: T.StructType,
                                batches: Iterator, epoch: int) -> tuple[Any, int]:
-        """Rows and marker in one local transaction, committed only while ``epoch`` is current."""
+        """Rows and marker in one local transaction, committed only while ``epoch`` is current.
+
+        The marker keeps the batch fingerprint and the partition's content digest; a replay
+        skips a committed partition only when both match (:mod:`onceflow.sinks.replay`)."""
+        fingerprint = task_fingerprint(self.opts.get("checkpointlocation"), task.batch_id)
+        digest = ContentDigest()
         with conn.transaction(), conn.cursor() as cur:
             cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", [fence.advisory_key("onceflow-decide", self.sink_id, task.lineage)])
             if self._is_decided(conn, task.lineage, task.batch_id):
+                for _ in batches:  # upstream state commits only when the input is consumed
+                    pass
                 return None, 0
             ident = [self.sink_id, task.lineage, task.batch_id, task.partition]
             fresh = cur.execute(sql.SQL(
                 "INSERT INTO {} (sink, lineage, batch_id, partition) VALUES (%s, %s, %s, %s) "
                 "ON CONFLICT DO NOTHING RETURNING 1").format(self.marker_table), ident).fetchone()
             if fresh is None:  # an earlier attempt committed this partition
-                done = cur.execute(sql.SQL(
-                    "SELECT rows FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
-                ).format(self.marker_table), ident).fetchone()[0]
+                done, stored_fp, stored_digest = cur.execute(sql.SQL(
+                    "SELECT rows, fingerprint, digest FROM {} "
+                    "WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
+                ).format(self.marker_table), ident).fetchone()
+                for _ in digest.feed(batches):
+                    pass
+                check_replay(f"{FORMAT} sink {self.sink_id}", task.batch_id, task.partition, task.lineage,
+                             stored_fingerprint=stored_fp, fingerprint=fingerprint,
+                             stored_digest=stored_digest, digest=digest.hexdigest())
                 return {"partition": task.partition, "rows": done}, done
-            rows = self._write_rows(cur, task, schema, batches)
+            rows = self._write_rows(cur, task, schema, digest.feed(batches))
             cur.execute(sql.SQL(
-                "UPDATE {} SET rows = %s WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
-            ).format(self.marker_table), [rows, *ident])
+                "UPDATE {} SET rows = %s, fingerprint = %s, digest = %s "
+                "WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
+            ).format(self.marker_table), [rows, fingerprint, digest.hexdigest(), *ident])
             # Committing this transaction makes the rows visible: only while our epoch is current.
             self._check(conn, task.lineage, epoch, "write", lock=True)
         return {"partition": task.partition, "rows": rows}, rows
