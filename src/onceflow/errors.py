@@ -45,6 +45,12 @@ class SinkError(OnceflowError):
     fatal = False
 
 
+class SourceError(OnceflowError):
+    """The source system cannot be reached (an outage: restarted, not fatal)."""
+
+    fatal = False
+
+
 class JvmDied(OnceflowError):
     """The driver's Spark JVM is gone while its Python process lives: restart the process."""
 
@@ -58,5 +64,5 @@ class InjectedCrash(RuntimeError):
 #: Exception class names that, found in a Spark failure's text, carry an onceflow error
 #: raised inside Spark (a task or the commit runner) -> the class to re-raise in the driver.
 BY_NAME: dict[str, type[OnceflowError]] = {
-    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError)
+    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError, SourceError)
 }

@@ -13,7 +13,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from kafka_broker import create_topic, delete_topic, produce
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.errors import ConfigError
+from onceflow.errors import ConfigError, SourceError
 from onceflow.sources.kafka import (
     SCHEMA,
     KafkaSource,
@@ -221,8 +221,9 @@ def test_recreated_topic_is_data_loss_unless_allowed(spark, kafka_broker, topic_
 
 def test_bad_inputs_fail_early_with_clear_messages(spark, kafka_broker, topic_name):
     create_topic(kafka_broker, topic_name, 2)
-    with pytest.raises(ConfigError, match=r"cannot reach Kafka at 127\.0\.0\.1:1 within 1s"):
+    with pytest.raises(SourceError, match=r"cannot reach Kafka at 127\.0\.0\.1:1 within 1s") as outage:
         KafkaSource("127.0.0.1:1", topics=topic_name, metadata_timeout_ms=1000).load(spark)
+    assert not outage.value.fatal, "an unreachable broker is an outage: the restart strategy retries"
     with pytest.raises(ConfigError, match=r"topic\(s\) no-such-topic do not exist"):
         KafkaSource(kafka_broker, topics=["no-such-topic"]).load(spark)
     with pytest.raises(ConfigError, match="startingOffsets must be 'earliest', 'latest' or JSON"):
