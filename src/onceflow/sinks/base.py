@@ -239,6 +239,7 @@ class TwoPhaseCommitSink(DataSource, ABC):
         Returns the epoch; the runner passes it to the query as the ``epoch`` option. An
         unreachable sink raises SinkError (the restart strategy waits it out).
         """
+        lineage = self.opts.get("lineage") or lineage  # the lineage the writer writes under
         epoch = self.acquire_epoch(lineage)
         self.opts["epoch"] = str(epoch)
         counts = self.recover(lineage)
