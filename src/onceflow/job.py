@@ -97,12 +97,15 @@ class Job:
             raise ConfigError(f"Job.output_mode {self.output_mode!r}: use append, complete or update")
 
     def run(self, spark: SparkSession | None = None, stop=None, *, from_savepoint: str | None = None,
-            fork: bool = False, rescale: int | None = None, allow_non_restored_state: bool = False) -> None:
+            fork: bool = False, rescale: int | None = None, allow_non_restored_state: bool = False,
+            takeover: bool = False) -> None:
         """Run until done, stopped (``stop``: a threading.Event) or out of restarts.
 
         ``from_savepoint``: first restore that savepoint into the (empty) checkpoint directory;
         ``fork`` (new lineage), ``rescale`` and ``allow_non_restored_state``: see
-        :class:`onceflow.savepoint.RestoreRequest`.
+        :class:`onceflow.savepoint.RestoreRequest`. ``takeover``: take the checkpoint's lease
+        even when its holder looks alive (a promoted standby: the supervisor saw it die; the
+        sinks' fencing epochs stop it should it only have been paused).
         """
         from onceflow.runtime.runner import JobRunner
         from onceflow.savepoint.restore import RestoreRequest
@@ -117,7 +120,7 @@ class Job:
             absent = not fs.exists(path)
             restore.check(self.checkpoint.directory, job=self, spark=spark)
         try:
-            JobRunner(self, spark=spark, stop=stop, restore=restore).run()
+            JobRunner(self, spark=spark, stop=stop, restore=restore, takeover=takeover).run()
         except OnceflowError:
             if absent:  # e.g. a checksum mismatch found while copying: leave it absent again
                 from onceflow.savepoint.restore import remove_if_only_onceflow

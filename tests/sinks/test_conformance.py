@@ -7,9 +7,10 @@ Every transactional sink must keep each record's effect exactly once through:
   after commit before Spark's ``commits/N``), the query restarted in-process each time;
 * zombies: real driver processes, each on its own "host" (a UTS namespace), SIGSTOPped at
   (i) after its decision lookup, (ii) with its tasks pre-committed, (iii) between decide and
-  commit. A successor takes the lease once the paused driver's renewals stop, opens the sink
-  under a newer epoch and commits the batch; the zombie then gets SIGCONT, must commit
-  nothing, and must exit as fenced (exit code 5).
+  commit. A warm standby is told to take over (as ``onceflow run`` promotes one when it sees
+  the active driver die), takes the lease, opens the sink under a newer epoch and commits the
+  batch; the zombie then gets SIGCONT, must commit nothing, and must exit as fenced (exit
+  code 5).
 
 After each run an independent reader (not the sink's code) checks the output: every id
 exactly once, nothing dangling (orphan Parquet files, prepared transactions).
@@ -319,14 +320,17 @@ def test_crash_windows(spark, case: Case, tmp_path):
 PAUSES = ("after_decision_lookup@2", "before_decide@4", "after_decide@6")
 
 
-def _start_driver(tmp_path: Path, env: dict[str, str], host: str) -> subprocess.Popen:
-    """A driver process in its own session, on its own host name (UTS namespace)."""
+def _start_driver(tmp_path: Path, env: dict[str, str], host: str, go: Path | None = None) -> subprocess.Popen:
+    """A driver process in its own session, on its own host name (UTS namespace); with ``go``
+    a warm standby that takes over (with takeover, as ``onceflow run`` promotes it) once
+    ``go`` exists."""
     job = tmp_path / "job.py"
     job.write_text(textwrap.dedent(JOB_FILE))
     cmd = ["unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "driver",
            sys.executable, "-m", "onceflow.runtime.driver", str(job)]
     log = open(tmp_path / f"{host}.log", "w")  # noqa: SIM115 - closed with the process
-    return subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
+    extra = {"ONCEFLOW_STANDBY_GO": str(go)} if go else {}
+    return subprocess.Popen(cmd, env={**os.environ, **env, **extra}, start_new_session=True,
                             stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -370,23 +374,24 @@ def test_zombie_drivers_are_fenced(case: Case, tmp_path):
     ckpt = tmp_path / "ckpt"
     env = {"SINK_KIND": case.kind, "CKPT": str(ckpt), "TOTAL": str(total), "PER_BATCH": str(per_batch),
            "RATE": "4000", "INTERVAL": "200 ms", "IDLE": "3", "ATTEMPTS": "0",
-           # Successors judge a paused holder gone after 3 s; no driver renews or re-reads the
-           # lease during the test, so the zombies are stopped by the sinks' epochs alone.
-           "ONCEFLOW_LEASE_TTL_S": "3", "ONCEFLOW_LEASE_RENEW_S": "3600", "ONCEFLOW_CRASH_AT": ",".join(f"{p}:pause" for p in PAUSES),
+           # No driver renews or re-reads the lease during the test, so the zombies are
+           # stopped by the sinks' epochs alone.
+           "ONCEFLOW_LEASE_RENEW_S": "3600", "ONCEFLOW_CRASH_AT": ",".join(f"{p}:pause" for p in PAUSES),
            "ONCEFLOW_CRASH_MARKER_DIR": str(markers), **case.env}
+    # Hosts 2-4 are warm standbys from the start: each handover costs seconds, not a JVM start.
     drivers = [_start_driver(tmp_path, env, "host-1")]
+    drivers += [_start_driver(tmp_path, env, f"host-{i}", tmp_path / f"go-{i}") for i in (2, 3, 4)]
     try:
         zombie = None
         for i, point in enumerate(PAUSES):
             name, batch = point.split("@")
-            stopped = _paused(markers / f"fired-{name}-{batch}")
+            stopped = _paused(markers / f"fired-{name}-{batch}", timeout=240)
             resumed_at = time.time()
             if zombie is not None:  # the previous zombie: its successor (now paused) took over
                 _resume(zombie)
                 assert drivers[i - 1].wait(timeout=90) == 5, (tmp_path / f"host-{i}.log").read_text()[-3000:]
             zombie = stopped
-            time.sleep(3.5)  # the paused driver's lease expires (ttl 3 s): a successor may take it
-            drivers.append(_start_driver(tmp_path, env, f"host-{i + 2}"))
+            (tmp_path / f"go-{i + 2}").touch()  # the successor takes over from the paused driver
             _wait_commit(ckpt, int(batch) + 1, resumed_at)
         _resume(zombie)
         assert drivers[2].wait(timeout=90) == 5, (tmp_path / "host-3.log").read_text()[-3000:]

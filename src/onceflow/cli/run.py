@@ -38,9 +38,12 @@ from onceflow.savepoint.restore import remove_if_only_onceflow
               help="Where SIGTERM/Ctrl-C put the savepoint on stop (default: CHECKPOINT/../savepoints).")
 @click.option("--no-savepoint-on-stop", is_flag=True,
               help="SIGTERM/Ctrl-C only stop; no savepoint is taken.")
+@click.option("--standby/--no-standby", default=True, show_default=True,
+              help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
+              "that takes over within seconds when the active driver dies; costs its memory.")
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
-        savepoint_dir: str | None, no_savepoint_on_stop: bool, **restore) -> None:
+        savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -81,7 +84,7 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
         env[SAVEPOINT_DIR_ENV] = savepoint_dir if "://" in savepoint_dir else os.path.abspath(savepoint_dir)
     fs, path = url_to_fs(url)
     absent = not fs.exists(path)
-    rc = Supervisor(target, strategy, url, env=env).run()
+    rc = Supervisor(target, strategy, url, env=env, standby=standby).run()
     if restore.get("from_savepoint") and rc == EXIT_CONFIG and absent and remove_if_only_onceflow(url):
         logging.getLogger("onceflow.supervisor").info(
             "the restore was refused; removed %s, which this run had created", url)

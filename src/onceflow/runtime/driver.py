@@ -7,6 +7,9 @@ this lineage (not restarted while it holds the lease); 70 the Spark JVM died und
 Python process (a watchdog notices within a second; restarted like any crash); anything
 else, or death by a signal, is a crash (restart per strategy).
 
+With ``ONCEFLOW_STANDBY_GO=FILE`` the process is a warm standby (see
+:mod:`onceflow.runtime.standby`): it warms up, waits for FILE, then takes over the lease.
+
 SIGTERM/SIGINT stop with a savepoint (the supervisor's contract): the in-flight batch finishes (or,
 if it was only planned, is left to be replayed), the query stops, the lease is released,
 then a savepoint of the last committed batch is taken (see
@@ -25,6 +28,7 @@ import threading
 import time
 
 from onceflow.errors import FencedError, JvmDied, OnceflowError
+from onceflow.runtime.standby import GO_ENV
 
 EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED, EXIT_FENCED = 0, 2, 3, 4, 5
 EXIT_CRASHED, EXIT_JVM_DIED = 1, 70
@@ -79,7 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         from onceflow.savepoint.restore import restore_options_from_env
 
         job = apply_overrides(load_job(argv[0]))
-        job.run(stop=stop, **restore_options_from_env(os.environ))
+        go = os.environ.get(GO_ENV)
+        if go:  # a warm standby: ready now, running only once promoted
+            spark = _standby(job, go, stop)
+            if spark is None:
+                return EXIT_OK
+            job.run(spark=spark, stop=stop, takeover=True, **restore_options_from_env(os.environ))
+        else:
+            job.run(stop=stop, **restore_options_from_env(os.environ))
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP
@@ -95,6 +106,22 @@ def main(argv: list[str] | None = None) -> int:
     if stop.is_set():
         return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
     return EXIT_OK
+
+
+def _standby(job, go: str, stop: threading.Event):
+    """Warm up, then wait for the go file: the warm SparkSession, or None when stopped first."""
+    from onceflow.runtime.standby import mark_ready, wait_for_go, warm_up
+    from onceflow.spark import get_spark
+
+    log = logging.getLogger("onceflow.driver")
+    spark = get_spark(job.master, job.name, {**job.checkpoint.spark_conf(), **job.spark_conf})
+    warm_s = warm_up(spark, job)
+    mark_ready(go, warm_s)
+    log.info("standby ready (warm-up %.1f s); waiting for %s", warm_s, go)
+    if not wait_for_go(go, stop):
+        return None
+    log.info("standby promoted: taking over the lease of %s", job.checkpoint.directory)
+    return spark
 
 
 def _savepoint_on_stop(checkpoint_url: str, job_name: str, started: float) -> int:

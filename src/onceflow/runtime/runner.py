@@ -107,8 +107,10 @@ def check_checkpoint_dir(url: str) -> None:
 class JobRunner:
     """Runs one Job until its source is exhausted, a stop is requested, or restarts run out."""
 
-    def __init__(self, job: Job, spark=None, stop: threading.Event | None = None, restore=None):
+    def __init__(self, job: Job, spark=None, stop: threading.Event | None = None, restore=None,
+                 takeover: bool = False):
         self.job = job
+        self.takeover = takeover
         self.restore = restore  # a savepoint.RestoreRequest, applied before the first query
         self.spark = spark
         self.stop = stop or threading.Event()
@@ -121,13 +123,18 @@ class JobRunner:
         job = self.job
         check_checkpoint_dir(self.url)
         with ExitStack() as stack:
-            self.lease = DriverLease(self.url, job.name).acquire()
+            t0 = time.time()
+            self.lease = DriverLease(self.url, job.name).acquire(takeover=self.takeover)
             stack.callback(self.lease.release)
+            lease_s = time.time() - t0
             spark = self.spark or self._spark()
+            spark_s = time.time() - t0 - lease_s
             if self.restore is not None:
                 self.restore.apply(self.url, job=job, spark=spark)
             started = time.time()
-            self.events.append("start", job=job.name, restart_strategy=job.restart_strategy.describe())
+            self.events.append("start", job=job.name, restart_strategy=job.restart_strategy.describe(),
+                               lease_epoch=self.lease.epoch, lease_s=round(lease_s, 3),
+                               spark_s=round(spark_s, 3), takeover=self.takeover)
             attempt = 0
             while True:
                 try:
@@ -222,11 +229,17 @@ class JobRunner:
                 "session (another job of the same name); give each job that runs at the same "
                 "time in one driver its own Job(name=...)"
             )
+        t0 = time.time()
         writer, source = self._build(spark)
         lineage = ensure_lineage(CheckpointDir(self.url))
+        t1 = time.time()
         epoch = source.open(lineage)  # new fencing epoch + recovery; SinkError while unreachable
-        self.events.append("sink_open", sink=job_sink_name(source), lineage=lineage, epoch=epoch)
+        t2 = time.time()
+        self.events.append("sink_open", sink=job_sink_name(source), lineage=lineage, epoch=epoch,
+                           open_s=round(t2 - t1, 3))
         query = writer.option("epoch", str(epoch)).start()
+        self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
+                        "query_start_s": round(time.time() - t2, 3)}
         try:
             self._monitor(query, started)
         finally:
@@ -253,7 +266,8 @@ class JobRunner:
             seen, new = self._record_progress(query, seen)
             if new and not recovered:
                 recovered = True
-                self.events.append("recovered", recovery_s=round(time.time() - started, 3), batch=seen)
+                self.events.append("recovered", recovery_s=round(time.time() - started, 3), batch=seen,
+                                   phases={**getattr(self, "_phases", {}), **_first_batch_phases(query, seen)})
             status = query.status
             now = time.time()
             active = bool(status.get("isTriggerActive"))
@@ -299,6 +313,18 @@ class JobRunner:
                 state_bytes=sum(o.memoryUsedBytes for o in p.stateOperators),
             )
         return seen, new
+
+
+def _first_batch_phases(query, batch: int) -> dict[str, float]:
+    """Where the first batch after a (re)start spent its time, from Spark's progress report:
+    planning (offsets, source batch, query plan, offset log write) and execution + commit."""
+    for p in query.recentProgress:
+        if p.batchId == batch and p.durationMs:
+            d = p.durationMs
+            plan = sum(d.get(k, 0) for k in ("latestOffset", "getBatch", "queryPlanning", "walCommit"))
+            return {"plan_s": round(plan / 1000, 3), "execute_and_commit_s": round(d.get("addBatch", 0) / 1000, 3),
+                    "batch_s": round(d.get("triggerExecution", 0) / 1000, 3)}
+    return {}
 
 
 def job_sink_name(source) -> str:

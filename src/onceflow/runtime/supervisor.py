@@ -30,10 +30,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -50,6 +52,7 @@ from onceflow.runtime.driver import (
     EXIT_SAVEPOINT_FAILED,
 )
 from onceflow.runtime.restart import RestartStrategy, parse
+from onceflow.runtime.standby import GO_ENV
 
 if TYPE_CHECKING:
     from onceflow.job import Job
@@ -115,6 +118,37 @@ def apply_overrides(job: Job, environ: Mapping[str, str] | None = None) -> Job:
     return job
 
 
+def group_rss_mb(pgid: int) -> int:
+    """Resident memory of process group ``pgid`` in MB (0 where /proc is unavailable)."""
+    total = 0
+    for pid in group_members(pgid) or []:
+        try:
+            with open(f"/proc/{pid}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+    return total // 2**20
+
+
+@dataclasses.dataclass
+class _Standby:
+    proc: subprocess.Popen
+    go: str  # created by the supervisor to promote it
+
+    def ready(self) -> dict | None:
+        try:
+            with open(f"{self.go}.ready") as f:
+                return dict(kv.split("=", 1) for kv in f.read().split())
+        except (OSError, ValueError):
+            return None
+
+    def signal(self, signum: int) -> None:
+        try:
+            os.kill(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+
 class Supervisor:
     """Runs the driver for ``target`` until it finishes, is stopped, or restarts run out.
 
@@ -135,6 +169,8 @@ class Supervisor:
         child_cmd: Sequence[str] | None = None,
         stop_timeout: float = 120.0,
         poll_interval: float = 0.05,
+        standby: bool = False,
+        standby_delay: float = 15.0,
     ):
         self.target, self.strategy = target, strategy
         self.extra_args, self.env = tuple(extra_args), env
@@ -148,6 +184,13 @@ class Supervisor:
         self._stop_ts = 0.0
         self._stop_deadline = float("inf")
         self._force = False
+        self.standby, self.standby_delay = standby, standby_delay
+        self._standby: _Standby | None = None
+        self._standby_n = 0
+        self._standby_dir: str | None = None
+        self._last_standby_start = float("-inf")
+        self._memory_shown = False
+        self._active_started = 0.0
 
     def command(self) -> list[str]:
         base = self.child_cmd or (sys.executable, "-m", "onceflow.runtime.driver", self.target)
@@ -160,56 +203,65 @@ class Supervisor:
         log.info("supervising %s, process restarts: %s; events: %s",
                  self.target, self.strategy.describe(), self.events.url)
         with self._signal_handlers():
-            attempt = 0
-            while True:
-                attempt += 1
+            try:
+                return self._loop()
+            finally:
+                self._stop_standby()
+
+    def _loop(self) -> int:
+        attempt = 0
+        while True:
+            attempt += 1
+            if attempt > 1 and self._standby_alive():
+                proc, started = self._promote(attempt)
+            else:
                 proc, started = self._start(attempt)
-                rc = self._wait(proc)
-                crashed_at, uptime = time.time(), time.monotonic() - started
-                if self._stop_signal is not None:
-                    return self._stopped(rc)
-                if rc == EXIT_OK:
-                    log.info("driver finished (exit 0)")
-                    self.events.append("stop", reason="finished", exit_code=rc, scope="process")
-                    return EXIT_OK
-                if rc in (EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED):
-                    why = {EXIT_CONFIG: "a configuration or user error",
-                           EXIT_GAVE_UP: "its in-process restart strategy gave up",
-                           EXIT_SAVEPOINT_FAILED: "it was stopped but its savepoint failed"}[rc]
-                    log.error("driver exited with code %d (%s, see its message above); not restarting", rc, why)
-                    reason = {EXIT_CONFIG: "config_error", EXIT_GAVE_UP: "gave_up_in_process",
-                              EXIT_SAVEPOINT_FAILED: "savepoint_failed"}[rc]
-                    self.events.append("stop", reason=reason, exit_code=rc, scope="process")
-                    return rc
-                if rc == EXIT_FENCED:
-                    holder = DriverLease(self.checkpoint_url, "onceflow-supervisor").holder()
-                    if holder is not None:
-                        log.error("driver was fenced: pid %s on %s holds the lineage now; not "
-                                  "restarting", holder.get("pid"), holder.get("host"))
-                        self.events.append("stop", reason="fenced", exit_code=rc, scope="process",
-                                           holder=f"{holder.get('host')}:{holder.get('pid')}")
-                        return EXIT_FENCED
-                cause = describe_exit(rc)
-                delay = self.strategy.on_failure()
-                crash = {"cause": cause, "exit_code": rc, "crashed_at": round(crashed_at, 3),
-                         "uptime_s": round(uptime, 3), "scope": "process"}
-                if delay is None:
-                    log.error("driver %s after %.1fs; restart strategy %s gave up after %d restart(s); "
-                              "not restarting", cause, uptime, self.strategy.describe(), attempt - 1)
-                    self.events.append("gave_up", attempts=attempt, **crash)
-                    return EXIT_GAVE_UP
-                log.warning("driver %s after %.1fs; restart %d in %.1fs (%s)",
-                            cause, uptime, attempt, delay, self.strategy.describe())
-                self.events.append("restart", delay_s=round(delay, 3), attempt=attempt, **crash)
-                if self._sleep(delay):
-                    return self._stopped(None)
+            rc = self._wait(proc)
+            crashed_at, uptime = time.time(), time.monotonic() - started
+            if self._stop_signal is not None:
+                return self._stopped(rc)
+            if rc == EXIT_OK:
+                log.info("driver finished (exit 0)")
+                self.events.append("stop", reason="finished", exit_code=rc, scope="process")
+                return EXIT_OK
+            if rc in (EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED):
+                why = {EXIT_CONFIG: "a configuration or user error",
+                       EXIT_GAVE_UP: "its in-process restart strategy gave up",
+                       EXIT_SAVEPOINT_FAILED: "it was stopped but its savepoint failed"}[rc]
+                log.error("driver exited with code %d (%s, see its message above); not restarting", rc, why)
+                reason = {EXIT_CONFIG: "config_error", EXIT_GAVE_UP: "gave_up_in_process",
+                          EXIT_SAVEPOINT_FAILED: "savepoint_failed"}[rc]
+                self.events.append("stop", reason=reason, exit_code=rc, scope="process")
+                return rc
+            if rc == EXIT_FENCED:
+                holder = DriverLease(self.checkpoint_url, "onceflow-supervisor").holder()
+                if holder is not None:
+                    log.error("driver was fenced: pid %s on %s holds the lineage now; not "
+                              "restarting", holder.get("pid"), holder.get("host"))
+                    self.events.append("stop", reason="fenced", exit_code=rc, scope="process",
+                                       holder=f"{holder.get('host')}:{holder.get('pid')}")
+                    return EXIT_FENCED
+            cause = describe_exit(rc)
+            delay = self.strategy.on_failure()
+            crash = {"cause": cause, "exit_code": rc, "crashed_at": round(crashed_at, 3),
+                     "uptime_s": round(uptime, 3), "scope": "process"}
+            if delay is None:
+                log.error("driver %s after %.1fs; restart strategy %s gave up after %d restart(s); "
+                          "not restarting", cause, uptime, self.strategy.describe(), attempt - 1)
+                self.events.append("gave_up", attempts=attempt, **crash)
+                return EXIT_GAVE_UP
+            log.warning("driver %s after %.1fs; restart %d in %.1fs (%s)",
+                        cause, uptime, attempt, delay, self.strategy.describe())
+            self.events.append("restart", delay_s=round(delay, 3), attempt=attempt, **crash)
+            if self._sleep(delay):
+                return self._stopped(None)
 
     def _start(self, attempt: int) -> tuple[subprocess.Popen, float]:
         env = dict(os.environ if self.env is None else self.env)
         cmd = self.command()
         proc = subprocess.Popen([*_LAUNCH, *cmd], env=env, start_new_session=True)
         started = time.monotonic()
-        self._proc, self._proc_done = proc, False
+        self._proc, self._proc_done, self._active_started = proc, False, started
         log.info("driver started: pid %d, attempt %d: %s", proc.pid, attempt, " ".join(cmd))
         self.events.append("process_start", attempt=attempt, pid=proc.pid, host=socket.gethostname(),
                            supervisor_pid=os.getpid(), supervisor_started=process_start_time(os.getpid()),
@@ -222,6 +274,7 @@ class Supervisor:
         """Wait for the driver, kill what is left of its group, reap it; its returncode."""
         killed = False
         while not self._exited(proc):
+            self._tend_standby()
             if not killed and (self._force or time.monotonic() > self._stop_deadline):
                 why = "second SIGINT" if self._force else f"not stopped after {self.stop_timeout:g}s"
                 log.warning("%s: killing the driver's process group %d", why, proc.pid)
@@ -285,6 +338,78 @@ class Supervisor:
             return EXIT_OK
         return rc if rc > 0 else 128 - rc  # killed by signal N after the stop timeout: 128+N
 
+    # ---- the warm standby (see onceflow.runtime.standby) -----------------------------------
+
+    def _standby_alive(self) -> bool:
+        return self._standby is not None and not self._exited(self._standby.proc)
+
+    def _tend_standby(self) -> None:
+        """Start the standby once the active driver had ``standby_delay`` s for its own start
+        (both compete for the cores), replace one that died, show the pair's memory once."""
+        if not self.standby or self._stop_signal is not None or self._proc is None:
+            return
+        sb = self._standby
+        if sb is not None and self._exited(sb.proc):
+            self._kill_leftovers(sb.proc.pid)  # while unreaped, its pgid cannot be reused
+            rc = sb.proc.wait()
+            log.warning("standby driver pid %d %s; replacing it", sb.proc.pid, describe_exit(rc))
+            self.events.append("standby_exit", pid=sb.proc.pid, exit_code=rc, scope="process")
+            self._standby = sb = None
+        now = time.monotonic()
+        if sb is None and now - self._active_started >= self.standby_delay \
+                and now - self._last_standby_start >= self.standby_delay:
+            self._start_standby()
+        elif sb is not None and not self._memory_shown and sb.ready() is not None:
+            self._memory_shown = True
+            active, standby = group_rss_mb(self._proc.pid), group_rss_mb(sb.proc.pid)
+            log.info("standby driver pid %d ready (warm-up %s s); memory (RSS): active driver %s MB, "
+                     "standby %s MB", sb.proc.pid, sb.ready().get("warm_s", "?"), active, standby)
+            self.events.append("standby_ready", pid=sb.proc.pid, warm_s=float(sb.ready().get("warm_s", 0)),
+                               active_rss_mb=active, standby_rss_mb=standby, scope="process")
+
+    def _start_standby(self) -> None:
+        if self._standby_dir is None:
+            self._standby_dir = tempfile.mkdtemp(prefix="onceflow-standby-")
+        self._standby_n += 1
+        go = os.path.join(self._standby_dir, f"go-{self._standby_n}")
+        env = {**(os.environ if self.env is None else self.env), GO_ENV: go}
+        proc = subprocess.Popen([*_LAUNCH, *self.command()], env=env, start_new_session=True)
+        self._standby = _Standby(proc, go)
+        self._last_standby_start = time.monotonic()
+        log.info("standby driver started: pid %d", proc.pid)
+        self.events.append("standby_start", pid=proc.pid, host=socket.gethostname(), scope="process")
+
+    def _promote(self, attempt: int) -> tuple[subprocess.Popen, float]:
+        """The standby becomes the active driver: it takes over the lease at once."""
+        sb = self._standby
+        assert sb is not None
+        self._standby, self._memory_shown = None, False
+        with open(sb.go, "w") as f:
+            f.write(str(time.time()))
+        started = time.monotonic()
+        self._proc, self._proc_done, self._active_started = sb.proc, False, started
+        warm = sb.ready()
+        log.info("standby driver pid %d promoted (attempt %d, %s)", sb.proc.pid, attempt,
+                 f"warm; its warm-up took {warm.get('warm_s')} s" if warm else "still warming up")
+        self.events.append("process_start", attempt=attempt, pid=sb.proc.pid, host=socket.gethostname(),
+                           supervisor_pid=os.getpid(), supervisor_started=process_start_time(os.getpid()),
+                           standby=True, warm=warm is not None, scope="process")
+        if self._stop_signal is not None:
+            self._forward_stop()
+        return sb.proc, started
+
+    def _stop_standby(self) -> None:
+        sb, self._standby = self._standby, None
+        if sb is not None:
+            sb.signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while not self._exited(sb.proc) and time.monotonic() < deadline:
+                time.sleep(self.poll_interval)
+            self._kill_leftovers(sb.proc.pid)
+            sb.proc.wait()
+        if self._standby_dir is not None:
+            shutil.rmtree(self._standby_dir, ignore_errors=True)
+
     # ---- signals -------------------------------------------------------------------------
 
     @contextmanager
@@ -314,6 +439,8 @@ class Supervisor:
             log.info("%s received again: still waiting for the driver to stop", name)
 
     def _forward_stop(self) -> None:
+        if self._standby is not None:
+            self._standby.signal(signal.SIGTERM)
         if self._proc is not None and not self._proc_done:
             try:  # not Popen.send_signal: it would reap the driver before its group is killed
                 os.kill(self._proc.pid, signal.SIGTERM)

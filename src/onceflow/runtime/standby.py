@@ -1,0 +1,97 @@
+"""The warm standby driver: a second driver process that is ready before it is needed.
+
+A standby is ``python -m onceflow.runtime.driver TARGET`` started with ``ONCEFLOW_STANDBY_GO``
+naming a file that does not exist yet. It loads the job, starts its JVM and SparkSession,
+registers onceflow's sources and sinks, and runs :func:`warm_up` (one tiny streaming batch and
+the imports of the job's sink and source in the Python workers, which Spark then reuses). It
+writes ``<go file>.ready`` (its pid and warm-up time) and waits.
+
+When the go file appears (the supervisor creates it the moment it sees the active driver
+die), the standby takes the lease *with takeover* and runs the job from the checkpoint like
+any restarted driver: its sinks take a newer fencing epoch, so even an active driver that only
+looked dead (paused, partitioned) can never commit again.
+
+Guarantees: a standby never opens a sink, takes the lease or touches the checkpoint before
+its go file exists; SIGTERM (or its parent, the supervisor, going away) makes a waiting
+standby exit 0 at once. A standby that dies while waiting is replaced by the supervisor.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from onceflow.job import Job
+
+log = logging.getLogger("onceflow.standby")
+
+GO_ENV = "ONCEFLOW_STANDBY_GO"
+
+
+def _modules(job: Job) -> list[str]:
+    """Modules the job's tasks will import: its sink's and onceflow's data sources."""
+    mods = {type(job.sink).__module__, "onceflow.sinks.base", "onceflow.sources.sequence"}
+    try:
+        mods.add(type(job.sink.data_source({})).__module__)
+    except Exception:  # noqa: BLE001 - options may need a checkpoint; the sink module is enough
+        pass
+    return sorted(mods)
+
+
+def warm_up(spark, job: Job) -> float:
+    """Start what the first batch of a takeover would otherwise wait for; returns seconds.
+
+    One streaming micro-batch (onceflow's sequence source into Spark's ``noop`` sink: JVM
+    streaming classes, the Python planner path, the Python worker daemon), then one task per
+    core that imports the job's sink and source modules in the reused Python workers."""
+    started = time.monotonic()
+    modules = _modules(job)
+    tmp = tempfile.mkdtemp(prefix="onceflow-standby-")
+    try:
+        q = (spark.readStream.format("onceflow-sequence").option("total", 4).option("partitions", 2)
+             .load().writeStream.format("noop").option("checkpointLocation", f"{tmp}/ckpt")
+             .trigger(availableNow=True).start())
+        q.awaitTermination(120)
+
+        def imports(batches):
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - a module only the driver can import
+                    pass
+            yield from batches
+
+        parallelism = max(1, spark.sparkContext.defaultParallelism)
+        spark.range(0, parallelism, numPartitions=parallelism).mapInArrow(imports, "id long").collect()
+    except Exception as e:  # noqa: BLE001 - a failed warm-up only costs time at takeover
+        log.warning("standby warm-up incomplete (%s); the takeover will start colder", e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return time.monotonic() - started
+
+
+def wait_for_go(go: str, stop: threading.Event, poll_s: float = 0.02) -> bool:
+    """Block until ``go`` exists (True), or a stop / the parent's death (False)."""
+    parent = os.getppid()
+    while not stop.is_set():
+        if os.path.exists(go):
+            return True
+        if os.getppid() != parent:  # the supervisor is gone: nobody will promote this standby
+            log.info("standby: the supervisor (pid %d) is gone; exiting", parent)
+            return False
+        stop.wait(poll_s)
+    return False
+
+
+def mark_ready(go: str, warm_s: float) -> None:
+    tmp = f"{go}.ready.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"pid={os.getpid()} warm_s={warm_s:.3f}\n")
+    os.replace(tmp, f"{go}.ready")
