@@ -296,3 +296,74 @@ def test_cli_group_turns_onceflow_errors_into_one_line(tmp_path):
     result = CliRunner().invoke(group, ["boom"])
     assert result.exit_code == 2
     assert result.output == "error: checkpoint /x is corrupt; restore it from a savepoint\n"
+
+
+STANDBY_CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    here = os.path.dirname(os.path.abspath(__file__))
+    go = os.environ.get("ONCEFLOW_STANDBY_GO")
+    def note(role):
+        with open(os.path.join(here, "roles.jsonl"), "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "role": role, "ts": time.time()}) + "\\n")
+    signal.signal(signal.SIGTERM, lambda *a: (note("stopped"), sys.exit(0)))
+    if go:
+        note("standby")
+        open(go + ".ready", "w").write("pid=%d warm_s=0.1" % os.getpid())
+        while not os.path.exists(go):
+            time.sleep(0.02)
+    note("active")
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def roles(tmp_path: Path) -> list[dict]:
+    path = tmp_path / "roles.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_until(cond, timeout: float = 10.0):
+    end = time.monotonic() + timeout
+    while not (found := cond()):
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+    return found
+
+
+def test_a_warm_standby_is_promoted_at_once_replaced_and_stopped_with_the_driver(tmp_path):
+    """The active driver SIGKILLed: the waiting standby becomes active within a second (no
+    new process start) and a new standby is started; a standby that dies is replaced;
+    SIGTERM stops the pair and leaves no process behind."""
+    import threading
+
+    script = tmp_path / "child.py"
+    script.write_text(STANDBY_CHILD)
+    sup = Supervisor("job.py", fixed_delay(attempts=3, delay=0), str(tmp_path / "ckpt"),
+                     child_cmd=[sys.executable, str(script)], standby=True, standby_delay=0.2)
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(sup.run()))
+    thread.start()
+    try:
+        def by(role):
+            return [r["pid"] for r in roles(tmp_path) if r["role"] == role]
+        first_active = wait_until(lambda: by("active"))[0]
+        standby = wait_until(lambda: by("standby"))[0]
+        wait_until(lambda: any(e["event"] == "standby_ready" for e in events(tmp_path)))
+        killed_at = time.time()
+        os.kill(first_active, signal.SIGKILL)
+        promoted = wait_until(lambda: [r for r in roles(tmp_path) if r["role"] == "active" and r["pid"] == standby])
+        assert promoted[0]["ts"] - killed_at < 1.0, "the standby takes over at once"
+        second = wait_until(lambda: [p for p in by("standby") if p != standby])[0]
+        os.kill(second, signal.SIGKILL)  # a standby that dies is replaced
+        third = wait_until(lambda: [p for p in by("standby") if p not in (standby, second)])[0]
+        start = [e for e in events(tmp_path) if e["event"] == "process_start"]
+        assert [s["pid"] for s in start] == [first_active, standby] and start[1]["standby"] is True
+        assert [e["pid"] for e in events(tmp_path) if e["event"] == "standby_exit"] == [second]
+    finally:
+        sup._on_signal(signal.SIGTERM, None)
+        thread.join(30)
+    assert result == [0]
+    assert not alive(standby) and not alive(third)
+    assert {r["pid"] for r in roles(tmp_path) if r["role"] == "stopped"} == {standby, third}
