@@ -18,13 +18,19 @@ def _offsets(offsets: list) -> str:
 @click.option("--limit", default=20, show_default=True, help="How many recent batches (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def checkpoints(checkpoint_dir: str, limit: int, as_json: bool) -> None:
-    """Recent batches of CHECKPOINT_DIR: time, duration, rows, offsets, state, sink commit."""
+    """Recent batches of CHECKPOINT_DIR (time, duration, rows, offsets, state, sink commit),
+    then recent restarts with where each spent its time (driver ready, sink recovered, query
+    started, first batch planned, first commit)."""
     from rich.console import Console
     from rich.table import Table
 
+    from onceflow.checkpoint.eventlog import EventLog
     from onceflow.checkpoint.history import batch_history
+    from onceflow.checkpoint.restarts import restart_table, restarts
 
     rows = batch_history(checkpoint_dir, limit or None)
+    recent = restarts(EventLog(checkpoint_dir).read())
+    recent = recent[-limit:] if limit else recent
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in rows], indent=1, default=str))
         return
@@ -45,7 +51,10 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool) -> None:
             "" if r.state_rows is None else str(r.state_rows),
             "" if r.state_bytes is None else str(r.state_bytes), commit.strip(),
         )
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    if recent:
+        console.print(restart_table(recent))
 
 
 @click.group("state")

@@ -23,6 +23,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from onceflow.checkpoint.eventlog import EventLog
+from onceflow.checkpoint.restarts import Restart, restart_table, restarts
 from onceflow.verify.exactly_once import Report, check_delta_table
 
 
@@ -35,6 +36,7 @@ class DemoResult:
     recovery_s: list[float] = field(default_factory=list)
     elapsed_s: float = 0.0
     supervisor_rc: int = 0
+    phases: list[Restart] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -80,15 +82,11 @@ class DemoRunner:
             self.console.print(f"[red]supervisor exited with {rc}; see {log_path}[/red]")
         report = check_delta_table(self.table, self.events)
         processed = sum(e["rows"] for e in self._events("task"))
-        recovered = sorted(e["ts"] for e in self._events("recovered"))
-        recovery = []
-        for k in kill_times:
-            after = [t for t in recovered if t > k]
-            if after:
-                recovery.append(round(after[0] - k, 1))
-        restarts = len([e for e in self._events("restart")])
-        return DemoResult(report, processed, restarts, kill_times, recovery,
-                          round(time.time() - started, 1), rc)
+        phases = restarts(self.log.read(), kill_times)
+        recovery = [round(r.first_commit, 1) for r in phases if r.first_commit is not None]
+        n_restarts = len([e for e in self._events("restart")])
+        return DemoResult(report, processed, n_restarts, kill_times, recovery,
+                          round(time.time() - started, 1), rc, phases)
 
     def _drive(self, sup: subprocess.Popen) -> list[float]:
         """Show progress; kill the driver at random moments while data still flows."""
@@ -147,6 +145,8 @@ def print_result(result: DemoResult, console: Console) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    if result.phases:
+        console.print(restart_table(result.phases))
     if result.ok:
         console.print("[green]EXACTLY ONCE: every event id committed once; records processed more than "
                       "once were replays whose effects were not duplicated.[/green]")

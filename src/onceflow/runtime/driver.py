@@ -68,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     from onceflow.runtime.supervisor import apply_overrides
 
     stop = threading.Event()
+    waiting_standby = [bool(os.environ.get(GO_ENV))]  # not promoted yet: nothing to finish
 
     def _on_signal(signum, _frame):
+        if waiting_standby[0]:
+            os._exit(EXIT_OK)  # its JVM dies with the process group (the supervisor kills it)
         logging.getLogger("onceflow.driver").info(
             "%s received: stopping after the in-flight batch", signal.Signals(signum).name
         )
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             spark = _standby(job, go, stop)
             if spark is None:
                 return EXIT_OK
+            waiting_standby[0] = False
             job.run(spark=spark, stop=stop, takeover=True, **restore_options_from_env(os.environ))
         else:
             job.run(stop=stop, **restore_options_from_env(os.environ))

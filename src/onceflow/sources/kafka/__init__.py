@@ -72,7 +72,8 @@ class KafkaSource:
     """User-facing configuration of the Kafka source; ``load(spark)`` returns the stream.
 
     ``load`` validates everything it can before Spark starts (options, reachability of the
-    brokers within ``metadata_timeout_ms``, existence of the topics) and raises ConfigError.
+    brokers within ``metadata_timeout_ms``, existence of the topics) and raises ConfigError
+    (SourceError when the brokers cannot be reached: an outage, retried by restarts).
     """
 
     bootstrap_servers: str
