@@ -2,8 +2,9 @@
 
 A standby is ``python -m onceflow.runtime.driver TARGET`` started with ``ONCEFLOW_STANDBY_GO``
 naming a file that does not exist yet. It loads the job, starts its JVM and SparkSession,
-registers onceflow's sources and sinks, and runs :func:`warm_up` (one tiny streaming batch and
-the imports of the job's sink and source in the Python workers, which Spark then reuses). It
+registers onceflow's sources and sinks, and runs :func:`warm_up` (one tiny streaming batch into
+a throwaway Delta table, and the imports of the job's sink and source in the Python workers,
+which Spark then reuses). It
 writes ``<go file>.ready`` (its pid and warm-up time) and waits.
 
 When the go file appears (the supervisor creates it the moment it sees the active driver
@@ -48,16 +49,19 @@ def _modules(job: Job) -> list[str]:
 def warm_up(spark, job: Job) -> float:
     """Start what the first batch of a takeover would otherwise wait for; returns seconds.
 
-    One streaming micro-batch (onceflow's sequence source into Spark's ``noop`` sink: JVM
-    streaming classes, the Python planner path, the Python worker daemon), then one task per
-    core that imports the job's sink and source modules in the reused Python workers."""
+    One streaming micro-batch (onceflow's sequence source into a throwaway Delta table: JVM
+    streaming classes, and the Python daemons Spark keeps per worker kind: source planning,
+    writers, the streaming sink runner), then one task per core that imports the job's sink
+    and source modules in the reused Python workers."""
     started = time.monotonic()
     modules = _modules(job)
     tmp = tempfile.mkdtemp(prefix="onceflow-standby-")
     try:
+        # A Python sink, so Spark starts its daemons for the streaming sink runner and the
+        # writers too (they outlive the query and fork the next query's processes warm).
         q = (spark.readStream.format("onceflow-sequence").option("total", 4).option("partitions", 2)
-             .load().writeStream.format("noop").option("checkpointLocation", f"{tmp}/ckpt")
-             .trigger(availableNow=True).start())
+             .load().writeStream.format("onceflow-delta").option("path", f"{tmp}/table")
+             .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
         q.awaitTermination(120)
 
         def imports(batches):
