@@ -1,7 +1,7 @@
 """Recovery time after driver SIGKILLs, with and without the warm standby driver.
 
 One command: ``python benchmarks/bench_recovery.py [--kills N] [--pipelines demo,kafka-pg]
-[--modes standby,cold] [--seed S]``.
+[--modes standby,cold,query] [--seed S]``.
 
 For each pipeline and mode it runs the job under ``onceflow run`` (``--standby`` or
 ``--no-standby``), SIGKILLs the active driver's whole process group N times at random moments
@@ -13,6 +13,10 @@ the next standby reported ready: the steady state), and reads the event log:
   SparkSession), sink recovered (new fencing epoch + recovery), query started, first batch
   planned, first commit;
 * the standby's memory (RSS of its process group, from the ``standby_ready`` event).
+
+Mode ``query`` measures the restart *inside* a live driver instead (the job's in-process
+restart strategy): N injected failures (``before_decide@B:raise`` every 8 batches), each
+restarting the query on the warm SparkSession.
 
 Pipelines: ``demo`` (the ``onceflow demo`` job: sequence source -> running count per key with
 applyInPandasWithState -> Delta) and ``kafka-pg`` (Kafka on tansu -> PostgreSQL ``two_phase``,
@@ -94,28 +98,40 @@ def drive(cmd: list[str], env: dict, ckpt: str, kills: int, rng: random.Random, 
     return kill_times
 
 
-def run_demo(tmp: str, standby: bool, kills: int, rng: random.Random, events_n: int) -> tuple[list[Restart], dict, str]:
+def faults(mode: str, n: int, work: str) -> dict:
+    """In-process failures for mode ``query``: one injected commit failure every 8 batches."""
+    if mode != "query":
+        return {}
+    os.makedirs(os.path.join(work, "markers"), exist_ok=True)
+    return {"ONCEFLOW_CRASH_AT": ",".join(f"before_decide@{8 * (i + 1)}:raise" for i in range(n)),
+            "ONCEFLOW_CRASH_MARKER_DIR": os.path.join(work, "markers")}
+
+
+def run_demo(tmp: str, mode: str, kills: int, rng: random.Random, events_n: int) -> tuple[list[Restart], dict, str]:
     from onceflow.demo import job as demo_job
 
-    work = os.path.join(tmp, f"demo-{'standby' if standby else 'cold'}")
+    standby = mode == "standby"
+    work = os.path.join(tmp, f"demo-{mode}")
     env = {**os.environ, "ONCEFLOW_DEMO_DIR": work, "ONCEFLOW_DEMO_EVENTS": str(events_n),
-           "ONCEFLOW_DEMO_RATE": "20000"}
+           "ONCEFLOW_DEMO_RATE": "20000", **faults(mode, kills, work)}
     cmd = [sys.executable, "-m", "onceflow", "run", demo_job.__file__, "--standby" if standby else "--no-standby"]
     ckpt = os.path.join(work, "checkpoint")
-    kill_times = drive(cmd, env, ckpt, kills, rng, os.path.join(tmp, f"demo-{standby}.log"), standby)
+    kill_times = drive(cmd, env, ckpt, 0 if mode == "query" else kills, rng,
+                       os.path.join(tmp, f"demo-{mode}.log"), standby)
     report = check_delta_table(os.path.join(work, "events"), events_n)
     return restarts(EventLog(ckpt).read(), kill_times), memory(ckpt), "ok" if report.ok else str(report)
 
 
-def run_kafka_pg(tmp: str, standby: bool, kills: int, rng: random.Random, records: int, broker, pg) -> tuple[list[Restart], dict, str]:
+def run_kafka_pg(tmp: str, mode: str, kills: int, rng: random.Random, records: int, broker, pg) -> tuple[list[Restart], dict, str]:
     import psycopg
     from confluent_kafka import Producer
 
     from kafka_broker import create_topic
 
-    mode = "standby" if standby else "cold"
+    standby = mode == "standby"
     topic_env = {"BENCH_BOOTSTRAP": broker.bootstrap, "BENCH_DSN": pg.dsn, "BENCH_PER_BATCH": "5000",
-                 "BENCH_CKPT": os.path.join(tmp, f"kpg-{mode}", "ckpt")}
+                 "BENCH_CKPT": os.path.join(tmp, f"kpg-{mode}", "ckpt"),
+                 **faults(mode, kills, os.path.join(tmp, f"kpg-{mode}"))}
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS recovery")
     try:
@@ -132,8 +148,8 @@ def run_kafka_pg(tmp: str, standby: bool, kills: int, rng: random.Random, record
     with open(job, "w") as f:
         f.write(textwrap.dedent(KAFKA_PG_JOB))
     cmd = [sys.executable, "-m", "onceflow", "run", job, "--standby" if standby else "--no-standby"]
-    kill_times = drive(cmd, {**os.environ, **topic_env}, topic_env["BENCH_CKPT"], kills, rng,
-                       os.path.join(tmp, f"kpg-{mode}.log"), standby)
+    kill_times = drive(cmd, {**os.environ, **topic_env}, topic_env["BENCH_CKPT"], 0 if mode == "query" else kills,
+                       rng, os.path.join(tmp, f"kpg-{mode}.log"), standby)
     with psycopg.connect(pg.dsn, autocommit=True) as conn:
         ids = [r[0] for r in conn.execute("SELECT id FROM recovery")]
         dangling = conn.execute("SELECT count(*) FROM pg_prepared_xacts").fetchone()[0]
@@ -164,7 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--pipelines", default="demo,kafka-pg")
-    ap.add_argument("--modes", default="standby,cold")
+    ap.add_argument("--modes", default="standby,cold,query")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--events", type=int, default=600_000, help="demo events")
     ap.add_argument("--records", type=int, default=300_000, help="kafka-pg records")
@@ -186,11 +202,10 @@ def main() -> None:
         for pipeline in pipelines:
             for mode in args.modes.split(","):
                 print(f"{pipeline}, {mode}:", flush=True)
-                standby = mode == "standby"
                 if pipeline == "demo":
-                    rs, mem, verdict = run_demo(tmp, standby, args.kills, rng, args.events)
+                    rs, mem, verdict = run_demo(tmp, mode, args.kills, rng, args.events)
                 else:
-                    rs, mem, verdict = run_kafka_pg(tmp, standby, args.kills, rng, args.records, broker, pg)
+                    rs, mem, verdict = run_kafka_pg(tmp, mode, args.kills, rng, args.records, broker, pg)
                 for r in rs:
                     print(f"    {r.describe()}", flush=True)
                 rows.append(summarize(f"{pipeline} {mode}", rs, mem, verdict))
