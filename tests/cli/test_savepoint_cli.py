@@ -67,7 +67,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     env = {**os.environ, "WORK": str(tmp_path), "TOTAL": "40000", "ONCEFLOW_SPARK_LOG_LEVEL": "ERROR"}
     ckpt = CheckpointDir(str(tmp_path / "ckpt"))
     sps = tmp_path / "sps"
-    sup = onceflow("run", str(tmp_path / "job.py"), "--savepoint-dir", str(sps), env=env)
+    sup = onceflow("run", "--no-standby", str(tmp_path / "job.py"), "--savepoint-dir", str(sps), env=env)
     try:
         wait_for_commits(ckpt, 3, sup)
         sup.send_signal(signal.SIGTERM)  # DESIGN.md section 7: SIGTERM stops with a savepoint
@@ -120,7 +120,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
         assert not (tmp_path / "nowhere").exists()
     # A different job: the driver's operator check (needs Spark) refuses; still nothing left.
     (tmp_path / "other.py").write_text(JOB.replace("from onceflow.demo.job import transform", OTHER))
-    other = onceflow("run", str(tmp_path / "other.py"), "--from-savepoint", sp, "--checkpoint",
+    other = onceflow("run", "--no-standby", str(tmp_path / "other.py"), "--from-savepoint", sp, "--checkpoint",
                      str(tmp_path / "nowhere"), env=env)
     _, err = other.communicate(timeout=180)
     assert other.returncode == 2 and "operator 0 is StateStoreSave in the job" in err, err
@@ -128,7 +128,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
 
     # Resume under 'onceflow run --from-savepoint', then 'onceflow stop --savepoint TARGET'.
     ckpt2 = CheckpointDir(str(tmp_path / "ckpt2"))
-    sup = onceflow("run", str(tmp_path / "job.py"), "--from-savepoint", sp, "--checkpoint", ckpt2.url, env=env)
+    sup = onceflow("run", "--no-standby", str(tmp_path / "job.py"), "--from-savepoint", sp, "--checkpoint", ckpt2.url, env=env)
     try:
         wait_for_commits(ckpt2, 4, sup)  # batch N-1 and N restored, two new ones
         sp2 = str(tmp_path / "sp2")

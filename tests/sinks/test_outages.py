@@ -49,7 +49,7 @@ def test_postgres_down_for_60s_under_onceflow_run_waits_then_finishes_exactly_on
     env = {**os.environ, "DSN": pg.dsn, "PGTABLE": table, "SINK_ID": sink_id, "CKPT": str(ckpt),
            "TOTAL": str(total)}
     log = open(tmp_path / "run.log", "w+")  # noqa: SIM115 - read after the run
-    run = subprocess.Popen([sys.executable, "-m", "onceflow", "run", str(tmp_path / "job.py")],
+    run = subprocess.Popen([sys.executable, "-m", "onceflow", "run", str(tmp_path / "job.py"), "--no-standby"],
                            env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 150

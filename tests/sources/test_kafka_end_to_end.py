@@ -130,7 +130,7 @@ class Run:
         job.write_text(textwrap.dedent(JOB))
         self.log_path = tmp / "supervisor.log"
         with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "onceflow", "run", str(job)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "onceflow", "run", str(job), "--no-standby"],
                                          env={**os.environ, **env, "CKPT": str(self.ckpt)},
                                          stdout=out, stderr=subprocess.STDOUT)
         self.log = EventLog(str(self.ckpt))
