@@ -12,15 +12,23 @@ with ``ONCEFLOW_DRIVER_PGID`` set to that group, and reads the exit:
 * anything else, or death by a signal (kill -9, OOM killer): a crash -> the restart strategy
   decides; when it gives up -> return 3.
 
-Guarantees: at most one driver group runs at a time (after the driver dies, whatever is left
-of its process group, the Spark JVM and Python workers, is SIGKILLed, and the supervisor
-waits for it to go before the next start); SIGTERM or SIGINT is forwarded to the driver as
+With ``standby=True`` (``onceflow run --standby``, the default) a warm standby driver (see
+:mod:`onceflow.runtime.standby`) starts ``standby_delay`` seconds after each active driver;
+when the active driver dies it is promoted at once (the restart strategy still counts the
+crash and its delay is still waited), a new standby starts behind it, and a standby that dies
+is replaced. Events: ``standby_start``, ``standby_ready`` (warm-up seconds, RSS of both
+drivers), ``standby_exit``, and ``process_start`` with ``standby=True`` for a promotion.
+
+Guarantees: at most one *active* driver group runs at a time (after the driver dies, whatever
+is left of its process group, the Spark JVM and Python workers, is SIGKILLed, and the
+supervisor waits for it to go before the next start or promotion; a standby touches no lease,
+checkpoint or sink until promoted); SIGTERM or SIGINT is forwarded to the driver as
 SIGTERM (it finishes the in-flight batch, then takes a savepoint unless disabled, see
 :mod:`onceflow.runtime.driver`), the supervisor waits up to ``stop_timeout`` then SIGKILLs
 the group. The exit code of a stop is the driver's: 0 stopped cleanly (savepoint taken when
 asked), the driver's own non-zero code when it failed while stopping (e.g. 4: the savepoint
 failed), 128+N when it had to be killed by signal N after ``stop_timeout``; a second SIGINT
-kills at once (returns 130). Every start, restart, give-up and stop is appended to the
+kills at once (returns 130); a stop or the supervisor's exit also ends the standby. Every start, restart, give-up and stop is appended to the
 checkpoint's event log (``process_start`` with host, supervisor pid and its start time,
 ``restart``, ``gave_up``, ``stop``, all with ``scope="process"``).
 """
