@@ -56,10 +56,11 @@ def maybe_crash(
     """Crash here if a rule matches (once per marker dir).
 
     Rules come from the environment or, for in-process tests whose Spark workers were started
-    earlier, from the sink options ``test_crash_at`` / ``test_crash_markers``.
+    earlier, from the sink options ``test_crash_at`` / ``test_crash_markers``; the option
+    ``test_crash_at=none`` turns the environment's rules off for one query.
     """
     spec = (options or {}).get("test_crash_at") or os.environ.get("ONCEFLOW_CRASH_AT")
-    if not spec:
+    if not spec or spec == "none":  # "none": a query that must never fire (a standby's warm-up)
         return
     marker_dir = (options or {}).get("test_crash_markers") or os.environ.get("ONCEFLOW_CRASH_MARKER_DIR")
     for name, batch, mode in _rules(spec):

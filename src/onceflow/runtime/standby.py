@@ -61,6 +61,7 @@ def warm_up(spark, job: Job) -> float:
         # writers too (they outlive the query and fork the next query's processes warm).
         q = (spark.readStream.format("onceflow-sequence").option("total", 4).option("partitions", 2)
              .load().writeStream.format("onceflow-delta").option("path", f"{tmp}/table")
+             .option("test_crash_at", "none")  # fault injection (tests) is for the real job
              .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
         q.awaitTermination(120)
 
