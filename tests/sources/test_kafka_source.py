@@ -257,3 +257,9 @@ def test_options_parse_like_spark():
                        "startingOffsets": '{"a":{"0":23,"1":-2}}', "maxOffsetsPerTrigger": "7"})
     assert s.topics == ("a", "b") and s.starting == {"a": {"0": 23, "1": -2}}
     assert s.max_offsets_per_trigger == 7 and s.read_committed and s.fail_on_data_loss
+
+
+def test_repr_never_prints_credentials():
+    source = KafkaSource("b:9092", topics="t", consumer_options={"sasl.password": "s3cret", "client.id": "x"})
+    assert "s3cret" not in repr(source) and "'sasl.password': '***'" in repr(source)
+    assert "'client.id': 'x'" in repr(source)

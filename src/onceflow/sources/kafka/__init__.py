@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pyspark.sql.datasource import DataSource
 from pyspark.sql.types import StructType
 
+from onceflow.kafka_client import redact
 from onceflow.sources.kafka.cluster import KafkaCluster
 from onceflow.sources.kafka.fetch import KafkaInputPartition, read_range
 from onceflow.sources.kafka.options import (
@@ -89,6 +90,11 @@ class KafkaSource:
     poll_timeout_ms: int = 120_000
     metadata_timeout_ms: int = 10_000
     event_log: str | None = None
+
+    def __repr__(self) -> str:  # consumer_options may hold credentials (sasl.password, ...)
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        fields["consumer_options"] = redact(self.consumer_options)
+        return f"KafkaSource({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
     def options(self) -> dict[str, str]:
         """The Spark options this configuration stands for."""
