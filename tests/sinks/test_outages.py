@@ -42,7 +42,7 @@ job = Job(
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_postgres_down_for_60s_under_onceflow_run_waits_then_finishes_exactly_once(pg_up, tmp_path):
-    pg, total = pg_up, 24_000
+    pg, total = pg_up, 8_000
     table, sink_id = f"outage_{uuid.uuid4().hex[:8]}", f"o{uuid.uuid4().hex[:6]}"
     (tmp_path / "job.py").write_text(textwrap.dedent(JOB))
     ckpt = tmp_path / "ckpt"
