@@ -46,6 +46,27 @@ class EventLog:
                 f.write(line)
         return record
 
+    def size(self) -> int:
+        """Bytes in the log now (0 when it does not exist): an offset for :meth:`read_from`."""
+        try:
+            return int(self.fs.size(self.path))
+        except FileNotFoundError:
+            return 0
+
+    def read_from(self, offset: int) -> Iterator[dict]:
+        """The events appended at or after byte ``offset`` (from :meth:`size`)."""
+        try:
+            with self.fs.open(self.path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        for line in data.decode(errors="replace").splitlines():
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue
+
     def read(self) -> Iterator[dict]:
         try:
             with self.fs.open(self.path, "r") as f:

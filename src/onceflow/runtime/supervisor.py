@@ -13,7 +13,9 @@ with ``ONCEFLOW_DRIVER_PGID`` set to that group, and reads the exit:
   decides; when it gives up -> return 3.
 
 With ``standby=True`` (``onceflow run --standby``, the default) a warm standby driver (see
-:mod:`onceflow.runtime.standby`) starts ``standby_delay`` seconds after each active driver;
+:mod:`onceflow.runtime.standby`) starts once each active driver committed its first batch
+(or ``standby_delay`` seconds after it started, at the latest), so that its warm-up does not
+slow the active driver's start;
 when the active driver dies it is promoted at once (the restart strategy still counts the
 crash and its delay is still waited), a new standby starts behind it, and a standby that dies
 is replaced. Events: ``standby_start``, ``standby_ready`` (warm-up seconds, RSS of both
@@ -178,7 +180,7 @@ class Supervisor:
         stop_timeout: float = 120.0,
         poll_interval: float = 0.05,
         standby: bool = False,
-        standby_delay: float = 15.0,
+        standby_delay: float = 60.0,
     ):
         self.target, self.strategy = target, strategy
         self.extra_args, self.env = tuple(extra_args), env
@@ -199,6 +201,8 @@ class Supervisor:
         self._last_standby_start = float("-inf")
         self._memory_shown = False
         self._active_started = 0.0
+        self._commit_checked = 0.0
+        self._log_offset = 0  # event log size when the active driver started
 
     def command(self) -> list[str]:
         base = self.child_cmd or (sys.executable, "-m", "onceflow.runtime.driver", self.target)
@@ -270,6 +274,7 @@ class Supervisor:
         proc = subprocess.Popen([*_LAUNCH, *cmd], env=env, start_new_session=True)
         started = time.monotonic()
         self._proc, self._proc_done, self._active_started = proc, False, started
+        self._log_offset = self.events.size()
         log.info("driver started: pid %d, attempt %d: %s", proc.pid, attempt, " ".join(cmd))
         self.events.append("process_start", attempt=attempt, pid=proc.pid, host=socket.gethostname(),
                            supervisor_pid=os.getpid(), supervisor_started=process_start_time(os.getpid()),
@@ -352,8 +357,8 @@ class Supervisor:
         return self._standby is not None and not self._exited(self._standby.proc)
 
     def _tend_standby(self) -> None:
-        """Start the standby once the active driver had ``standby_delay`` s for its own start
-        (both compete for the cores), replace one that died, show the pair's memory once."""
+        """Start the standby once the active driver is up (see :meth:`_active_committed`),
+        replace one that died (at most one start per 5 s), show the pair's memory once."""
         if not self.standby or self._stop_signal is not None or self._proc is None:
             return
         sb = self._standby
@@ -364,8 +369,8 @@ class Supervisor:
             self.events.append("standby_exit", pid=sb.proc.pid, exit_code=rc, scope="process")
             self._standby = sb = None
         now = time.monotonic()
-        if sb is None and now - self._active_started >= self.standby_delay \
-                and now - self._last_standby_start >= self.standby_delay:
+        if sb is None and now - self._last_standby_start >= min(5.0, self.standby_delay) \
+                and self._active_committed(now):
             self._start_standby()
         elif sb is not None and not self._memory_shown and sb.ready() is not None:
             self._memory_shown = True
@@ -374,6 +379,17 @@ class Supervisor:
                      "standby %s MB", sb.proc.pid, sb.ready().get("warm_s", "?"), active, standby)
             self.events.append("standby_ready", pid=sb.proc.pid, warm_s=float(sb.ready().get("warm_s", 0)),
                                active_rss_mb=active, standby_rss_mb=standby, scope="process")
+
+    def _active_committed(self, now: float) -> bool:
+        """True once the active driver committed a batch (checked each second), or after
+        ``standby_delay`` seconds at the latest: the standby then warms up without slowing
+        the active driver's own start on a small machine."""
+        if now - self._active_started >= self.standby_delay:
+            return True
+        if now - self._commit_checked < 1.0:
+            return False
+        self._commit_checked = now
+        return any(e.get("event") == "sink_commit" for e in self.events.read_from(self._log_offset))
 
     def _start_standby(self) -> None:
         if self._standby_dir is None:
@@ -396,6 +412,7 @@ class Supervisor:
             f.write(str(time.time()))
         started = time.monotonic()
         self._proc, self._proc_done, self._active_started = sb.proc, False, started
+        self._log_offset = self.events.size()
         warm = sb.ready()
         log.info("standby driver pid %d promoted (attempt %d, %s)", sb.proc.pid, attempt,
                  f"warm; its warm-up took {warm.get('warm_s')} s" if warm else "still warming up")
