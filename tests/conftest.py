@@ -10,6 +10,10 @@ import pytest
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+# Every JVM of the suite (the test session's, and each driver process the tests start) is
+# short-lived and the machine has 2 cores: the C1 compiler alone and the serial GC cut the
+# CPU a Spark start-up takes by about 30% (measured with a 10-batch query). Tests only.
+os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
 @pytest.fixture(scope="session")
