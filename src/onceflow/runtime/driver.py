@@ -119,7 +119,7 @@ def _standby(job, go: str, stop: threading.Event):
 
     log = logging.getLogger("onceflow.driver")
     spark = get_spark(job.master, job.name, {**job.checkpoint.spark_conf(), **job.spark_conf})
-    warm_s = warm_up(spark, job)
+    warm_s = warm_up(spark, job, go)
     mark_ready(go, warm_s)
     log.info("standby ready (warm-up %.1f s); waiting for %s", warm_s, go)
     if not wait_for_go(go, stop):

@@ -46,13 +46,14 @@ def _modules(job: Job) -> list[str]:
     return sorted(mods)
 
 
-def warm_up(spark, job: Job) -> float:
+def warm_up(spark, job: Job, go: str | None = None) -> float:
     """Start what the first batch of a takeover would otherwise wait for; returns seconds.
 
     One streaming micro-batch (onceflow's sequence source into a throwaway Delta table: JVM
     streaming classes, and the Python daemons Spark keeps per worker kind: source planning,
     writers, the streaming sink runner), then one task per core that imports the job's sink
-    and source modules in the reused Python workers."""
+    and source modules in the reused Python workers. Once ``go`` exists (promoted while still
+    warming up), the rest is skipped: the job itself is more urgent."""
     started = time.monotonic()
     modules = _modules(job)
     tmp = tempfile.mkdtemp(prefix="onceflow-standby-")
@@ -63,7 +64,13 @@ def warm_up(spark, job: Job) -> float:
              .load().writeStream.format("onceflow-delta").option("path", f"{tmp}/table")
              .option("test_crash_at", "none")  # fault injection (tests) is for the real job
              .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
-        q.awaitTermination(120)
+        deadline = time.monotonic() + 120
+        while not q.awaitTermination(0.1) and time.monotonic() < deadline:
+            if go and os.path.exists(go):
+                q.stop()
+                return time.monotonic() - started
+        if go and os.path.exists(go):
+            return time.monotonic() - started
 
         def imports(batches):
             for name in modules:
