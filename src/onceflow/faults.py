@@ -10,12 +10,16 @@ SIGKILL the executor JVM running the task - an executor lost at that point) or `
 task or commit raises: an executor/task failure).
 A point fires at most once per ``ONCEFLOW_CRASH_MARKER_DIR`` (a marker file records it),
 so the restarted driver gets past it. Unset in production; costs one dict lookup.
+
+``ONCEFLOW_SLOW_COMMIT_FILE`` names a file; while it exists, every batch commit first sleeps
+the number of seconds it holds (a slow sink, injected by ``onceflow verify``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 from onceflow.errors import InjectedCrash
 
@@ -94,6 +98,19 @@ def maybe_crash(
             os.kill(os.getpid(), signal.SIGKILL)
         os.killpg(pgid, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_slow() -> None:
+    """Sleep before deciding a batch while the slow-commit file exists (see module doc)."""
+    path = os.environ.get("ONCEFLOW_SLOW_COMMIT_FILE")
+    if not path:
+        return
+    try:
+        with open(path) as f:
+            delay = float(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return
+    time.sleep(max(0.0, delay))
 
 
 def executor_jvm() -> int | None:

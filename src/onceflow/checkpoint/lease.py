@@ -24,6 +24,7 @@ Each holder only ever rewrites its own record, so a renewal never overwrites a n
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -33,6 +34,8 @@ import uuid
 from fsspec.core import url_to_fs
 
 from onceflow.errors import ConfigError, FencedError
+
+log = logging.getLogger("onceflow.lease")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -107,12 +110,28 @@ class DriverLease:
 
     # ---- acquire / renew / release ---------------------------------------------------------
 
-    def acquire(self, takeover: bool = False) -> DriverLease:
-        """Take the next epoch; FencedError while a live driver holds the lease."""
+    def acquire(self, takeover: bool = False, wait_s: float | None = None) -> DriverLease:
+        """Take the next epoch; FencedError while a live driver holds the lease.
+
+        ``wait_s`` (default ``ONCEFLOW_LEASE_WAIT_S``, else 0): wait that long for a live
+        holder's lease to lapse (a driver on another host that stopped renewing) before giving
+        up; a host's second driver for the same job can so stand by for the first.
+        """
         self.fs.makedirs(self.dir, exist_ok=True)
-        epochs = self._epochs()
-        top = epochs[-1] if epochs else 0
-        rec = self._read(top) if epochs else None
+        if wait_s is None:
+            wait_s = float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0))
+        deadline, said = time.monotonic() + wait_s, 0.0
+        while True:
+            epochs = self._epochs()
+            top = epochs[-1] if epochs else 0
+            rec = self._read(top) if epochs else None
+            if not (rec and not takeover and self._alive(rec)) or time.monotonic() >= deadline:
+                break
+            if time.monotonic() - said >= 30:
+                said = time.monotonic()
+                log.info("waiting up to %.0fs for the lease of pid %s on %s (epoch %s) to lapse",
+                         deadline - said, rec.get("pid"), rec.get("host"), top)
+            time.sleep(min(1.0, self.renew_s))
         if rec and not takeover and self._alive(rec):
             raise FencedError(
                 f"job {rec.get('job')!r} is already running on this checkpoint (pid {rec.get('pid')} "

@@ -10,6 +10,7 @@ from onceflow.cli.demo import demo
 from onceflow.cli.doctor import doctor
 from onceflow.cli.run import run
 from onceflow.cli.savepoint import savepoint, stop
+from onceflow.cli.verify import verify
 from onceflow.errors import OnceflowError
 
 
@@ -38,3 +39,4 @@ main.add_command(stop)
 main.add_command(checkpoints)
 main.add_command(state)
 main.add_command(doctor)
+main.add_command(verify)

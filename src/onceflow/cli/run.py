@@ -41,9 +41,13 @@ from onceflow.savepoint.restore import remove_if_only_onceflow
 @click.option("--standby/--no-standby", default=True, show_default=True,
               help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
               "that takes over within seconds when the active driver dies; costs its memory.")
+@click.option("--wait-for-lease", "wait_for_lease", type=click.FloatRange(0), default=0, metavar="SECONDS",
+              help="When a driver on another host holds the checkpoint's lease, wait up to SECONDS "
+              "for it to lapse (that driver died or hangs) and then take over, instead of exiting.")
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
-        savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, **restore) -> None:
+        savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
+        **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -80,6 +84,8 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     if checkpoint_url:
         env[CHECKPOINT_ENV] = checkpoint_url
     env[SAVEPOINT_ON_STOP_ENV] = "0" if no_savepoint_on_stop else "1"
+    if wait_for_lease:
+        env["ONCEFLOW_LEASE_WAIT_S"] = str(wait_for_lease)
     if savepoint_dir:
         env[SAVEPOINT_DIR_ENV] = savepoint_dir if "://" in savepoint_dir else os.path.abspath(savepoint_dir)
     fs, path = url_to_fs(url)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -124,11 +125,16 @@ class JobRunner:
         check_checkpoint_dir(self.url)
         with ExitStack() as stack:
             t0 = time.time()
-            self.lease = DriverLease(self.url, job.name).acquire(takeover=self.takeover)
+            lease, spark = DriverLease(self.url, job.name), self.spark
+            if spark is None and float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0)) > 0 and lease.holder():
+                spark = self._spark()  # waiting for another host's lease: start Spark meanwhile
+            spark_s = time.time() - t0
+            self.lease = lease.acquire(takeover=self.takeover)
             stack.callback(self.lease.release)
-            lease_s = time.time() - t0
-            spark = self.spark or self._spark()
-            spark_s = time.time() - t0 - lease_s
+            lease_s = time.time() - t0 - spark_s
+            if spark is None:
+                spark = self._spark()
+                spark_s = time.time() - t0 - lease_s
             if self.restore is not None:
                 self.restore.apply(self.url, job=job, spark=spark)
             started = time.time()

@@ -42,7 +42,7 @@ from pyspark.sql.types import StructType
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import CheckpointError, ConfigError, FencedError, FingerprintMismatch
-from onceflow.faults import maybe_crash
+from onceflow.faults import maybe_crash, maybe_slow
 
 log = logging.getLogger(__name__)
 
@@ -376,6 +376,7 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
 
         decision = Decision(lineage, batchId, fingerprint, handles, epoch)
         maybe_crash("before_decide", batchId, None, self.sink.opts)
+        maybe_slow()
         self.sink.decide(decision, self.schema, self.overwrite)
         maybe_crash("after_decide", batchId, None, self.sink.opts)
         self.sink.commit(decision)

@@ -22,12 +22,15 @@ class Report:
     missing: int
     unexpected: int
     state_errors: int = 0
+    corrupted: int = 0
+    sample_corrupted: list[int] = field(default_factory=list)
     sample_missing: list[int] = field(default_factory=list)
     sample_duplicates: list[int] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return self.duplicates == 0 and self.missing == 0 and self.unexpected == 0 and self.state_errors == 0
+        return (self.duplicates == 0 and self.missing == 0 and self.unexpected == 0 and self.state_errors == 0
+                and self.corrupted == 0)
 
 
 def check_ids(ids: np.ndarray, expected: int) -> Report:
@@ -72,4 +75,19 @@ def check_delta_table(path: str, expected: int) -> Report:
         return check_ids(np.empty(0, dtype=np.int64), expected)
     report = check_ids(table.column("id").to_numpy(), expected)
     report.state_errors = check_running_counts(table)
+    return report
+
+
+def check_events(table: pa.Table, expected: int) -> Report:
+    """``check_ids`` on ``table.id``, plus rows whose payload or checksum is not their id's."""
+    from onceflow.verify.spec import checksum, payload
+
+    report = check_ids(table.column("id").to_numpy(), expected)
+    bad = [
+        i for i, p, c in zip(table.column("id").to_pylist(), table.column("payload").to_pylist(),
+                             table.column("checksum").to_pylist(), strict=True)
+        if p is None or c is None or p != payload(i) or c != checksum(p)
+    ]
+    report.corrupted = len(bad)
+    report.sample_corrupted = bad[:10]
     return report

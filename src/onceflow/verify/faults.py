@@ -1,0 +1,227 @@
+"""The faults ``onceflow verify`` injects. Each is a small class registered in :data:`FAULTS`.
+
+A fault's :meth:`Fault.inject` blocks for the fault's whole duration (a kill is instant; a
+database outage lasts until the database is back) and returns one line describing what it
+hit. :meth:`Fault.unavailable` says, before the run starts, why a fault cannot run with the
+given options (no restart command for the database, no cluster executors, not root, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+from onceflow.errors import ConfigError
+from onceflow.verify import procs
+
+if TYPE_CHECKING:
+    from onceflow.verify.harness import Harness
+
+
+class Fault(ABC):
+    name: ClassVar[str]
+    help: ClassVar[str]
+
+    def unavailable(self, h: Harness) -> str | None:
+        """Why this fault cannot run in this setup, or None."""
+        return None
+
+    @abstractmethod
+    def inject(self, h: Harness) -> str:
+        """Inject the fault; return what it hit. Raises :class:`FaultMissed` when no target."""
+
+
+class FaultMissed(Exception):
+    """The fault found nothing to hit at this instant (e.g. no Python worker running)."""
+
+
+def _driver(h: Harness) -> int:
+    pid = procs.active_driver(h.log)
+    if pid is None:
+        raise FaultMissed("no driver is running")
+    return pid
+
+
+class DriverKill(Fault):
+    name, help = "driver_kill", "SIGKILL the driver's process group (driver, JVM): a machine crash"
+
+    def inject(self, h: Harness) -> str:
+        pid = _driver(h)
+        os.killpg(pid, signal.SIGKILL)
+        return f"SIGKILL process group {pid}"
+
+
+class JvmKill(Fault):
+    name, help = "jvm_kill", "SIGKILL only the driver's JVM, as the OOM killer does"
+
+    def inject(self, h: Harness) -> str:
+        jvm = procs.driver_jvm(_driver(h))
+        if jvm is None:
+            raise FaultMissed("the driver has no JVM yet")
+        jvm.send_signal(signal.SIGKILL)
+        return f"SIGKILL JVM {jvm.pid}"
+
+
+class ExecutorKill(Fault):
+    name, help = "executor_kill", "SIGKILL one executor JVM (needs --master local-cluster[...])"
+
+    def unavailable(self, h: Harness) -> str | None:
+        if not h.spec.master.startswith("local-cluster"):
+            return "needs executors in their own JVMs: run with --master 'local-cluster[2,1,1024]'"
+        return None
+
+    def inject(self, h: Harness) -> str:
+        found = procs.executors(_driver(h))
+        if not found:
+            raise FaultMissed("no executor JVM is running")
+        victim = h.rng.choice(found)
+        victim.send_signal(signal.SIGKILL)
+        return f"SIGKILL executor {victim.pid}"
+
+
+class WorkerKill(Fault):
+    name, help = "worker_kill", "SIGKILL one Python worker (or its daemon when no task runs)"
+
+    def inject(self, h: Harness) -> str:
+        found = procs.python_workers(_driver(h))
+        if not found:
+            raise FaultMissed("no Python worker is running")
+        victim = h.rng.choice(found)
+        victim.send_signal(signal.SIGKILL)
+        return f"SIGKILL Python worker {victim.pid}"
+
+
+class Zombie(Fault):
+    """Pause the whole "host" (supervisor, driver, standby, JVMs, workers) for longer than the
+    lease, start a successor on another host name, let it commit, then resume the old host. The
+    woken driver must be fenced (exit 5) and commit nothing."""
+
+    name, help = "zombie", "SIGSTOP the job's host past the lease; a successor takes over; SIGCONT"
+
+    def unavailable(self, h: Harness) -> str | None:
+        if shutil.which("unshare") is None or os.geteuid() != 0:
+            return "needs root and unshare(1) to give the successor another host name"
+        return None
+
+    def inject(self, h: Harness) -> str:
+        old = h.supervisor
+        frozen = procs.tree(old.pid)
+        procs.signal_all(frozen, signal.SIGSTOP)
+        paused_at = time.time()
+        new = h.start_supervisor(host=f"verify-host-{len(h.supervisors)}")
+        committed = h.wait_commit(after=paused_at, by=new.pid, timeout=h.options.recovery_timeout)
+        procs.signal_all(frozen, signal.SIGCONT)
+        try:
+            rc = old.wait(timeout=h.options.recovery_timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        paused = time.time() - paused_at
+        if rc != 5:
+            h.anomalies.append(f"zombie: the paused job's supervisor {old.pid} exited with {rc}, "
+                               "not 5 (fenced)")
+        got = "committed" if committed else "did NOT commit"
+        return f"paused {len(frozen)} processes {paused:.1f}s; successor {got}; zombie exit {rc}"
+
+
+class _Command(Fault):
+    """A fault driven by the user's own stop/start commands."""
+
+    stop_opt: ClassVar[str]
+    start_opt: ClassVar[str]
+
+    def unavailable(self, h: Harness) -> str | None:
+        if not getattr(h.options, self.stop_opt) or not getattr(h.options, self.start_opt):
+            flag = lambda o: "--" + o.replace("_", "-")  # noqa: E731
+            return f"needs {flag(self.stop_opt)} and {flag(self.start_opt)} commands"
+        return None
+
+    def _run(self, h: Harness, opt: str, mode: str = "fast") -> None:
+        cmd = getattr(h.options, opt).replace("{mode}", mode)
+        res = subprocess.run(shlex.split(cmd), capture_output=True, text=True, timeout=120)
+        if res.returncode != 0:
+            raise ConfigError(f"verify: {cmd!r} failed ({res.returncode}): {(res.stderr or res.stdout).strip()[-300:]}")
+
+
+class PgRestart(_Command):
+    name, help = "pg_restart", "restart PostgreSQL (fast or immediate shutdown, chosen at random)"
+    stop_opt, start_opt = "pg_stop", "pg_start"
+
+    def inject(self, h: Harness) -> str:
+        mode = h.rng.choice(["fast", "immediate"])
+        self._run(h, self.stop_opt, mode)
+        self._run(h, self.start_opt)
+        return f"PostgreSQL {mode} shutdown and restart"
+
+
+class PgDown(_Command):
+    name, help = "pg_down", "PostgreSQL down for longer than the sink's commit deadline"
+    stop_opt, start_opt = "pg_stop", "pg_start"
+
+    def inject(self, h: Harness) -> str:
+        self._run(h, self.stop_opt, "fast")
+        time.sleep(h.options.outage_s)
+        self._run(h, self.start_opt)
+        return f"PostgreSQL down {h.options.outage_s:.0f}s"
+
+
+class BrokerRestart(_Command):
+    name, help = "broker_restart", "restart the Kafka broker (its storage must survive a restart)"
+    stop_opt, start_opt = "broker_stop", "broker_start"
+
+    def inject(self, h: Harness) -> str:
+        self._run(h, self.stop_opt)
+        self._run(h, self.start_opt)
+        return "broker restarted"
+
+
+class DiskFull(Fault):
+    """Fill the checkpoint's filesystem (a tmpfs ``onceflow verify`` mounted, or the user's own
+    small filesystem) until writes fail with ENOSPC, hold it full, then free the space."""
+
+    name, help = "disk_full", "fill the checkpoint filesystem, hold it full, free it"
+
+    def unavailable(self, h: Harness) -> str | None:
+        if not h.options.checkpoint_fs:
+            return "needs --checkpoint-fs SIZE (a tmpfs of that size holds the checkpoint; root only)"
+        return None
+
+    def inject(self, h: Harness) -> str:
+        filler = os.path.join(os.path.dirname(h.spec.checkpoint), "onceflow-verify-filler")
+        written = 0
+        with open(filler, "wb") as f:
+            block = b"\0" * (1 << 20)
+            try:
+                while True:
+                    f.write(block)
+                    f.flush()
+                    written += len(block)
+            except OSError:
+                pass
+        time.sleep(h.options.outage_s)
+        os.unlink(filler)
+        return f"filled {written >> 20} MiB, full for {h.options.outage_s:.0f}s"
+
+
+class SlowSink(Fault):
+    name, help = "slow_sink", "every commit waits --slow-s seconds for --outage-s seconds"
+
+    def inject(self, h: Harness) -> str:
+        path = h.slow_file
+        with open(path + ".tmp", "w") as f:
+            f.write(str(h.options.slow_s))
+        os.replace(path + ".tmp", path)
+        time.sleep(h.options.outage_s)
+        os.unlink(path)
+        return f"commits +{h.options.slow_s:.1f}s for {h.options.outage_s:.0f}s"
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    DriverKill(), JvmKill(), Zombie(), ExecutorKill(), WorkerKill(), PgRestart(), PgDown(),
+    BrokerRestart(), DiskFull(), SlowSink(),
+)}

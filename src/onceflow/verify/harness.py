@@ -1,0 +1,254 @@
+"""The verify harness: run the pipeline under ``onceflow run``, inject faults, check the output.
+
+Guarantees of the harness itself:
+* The fault schedule (kinds and the pauses between faults) comes from one seeded RNG: the same
+  seed and options give the same schedule. Fault *instants* still depend on when batches
+  commit, so a repeat hits the same kinds in the same order, not the same microsecond.
+* A fault is injected only while the job is up (it committed a batch since the previous fault
+  ended), so every fault tests a recovery, not a pile-up on a job still starting.
+* Nothing is concluded from onceflow's own view: the verdict comes from an independent reader
+  of the sink (:mod:`onceflow.verify.readers`) and the event ids' payload checksums.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from onceflow.checkpoint.eventlog import EventLog
+from onceflow.errors import ConfigError
+from onceflow.verify import procs, setup
+from onceflow.verify.exactly_once import Report, check_events
+from onceflow.verify.faults import FAULTS, FaultMissed
+from onceflow.verify.readers import dangling, read_output
+from onceflow.verify.spec import VerifySpec
+
+
+@dataclass
+class Options:
+    """How faults are chosen and shaped (see ``onceflow verify --help``)."""
+
+    faults: list[str] = field(default_factory=lambda: ["driver_kill"])
+    count: int = 3
+    seed: int | None = None
+    gap: tuple[float, float] = (2.0, 6.0)
+    outage_s: float = 25.0
+    slow_s: float = 3.0
+    pg_stop: str | None = None
+    pg_start: str | None = None
+    broker_stop: str | None = None
+    broker_start: str | None = None
+    checkpoint_fs: str | None = None
+    lease_ttl_s: float = 6.0
+    recovery_timeout: float = 180.0
+    standby: bool = True
+
+
+@dataclass
+class FaultRecord:
+    kind: str
+    start: float
+    end: float
+    detail: str
+    recovered: float | None = None  # first commit after the fault ended
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered is None else round(self.recovered - self.start, 2)
+
+
+@dataclass
+class VerifyResult:
+    spec: VerifySpec
+    seed: int
+    report: Report
+    faults: list[FaultRecord]
+    commits: list[tuple[float, int]]  # (ts, rows) of every non-replay sink commit
+    started: float
+    ended: float
+    processed: int
+    restarts: int
+    dangling: list[str]
+    anomalies: list[str]
+    supervisor_rc: int | None
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok and not self.dangling and not self.anomalies and self.supervisor_rc == 0
+
+
+class Harness:
+    """One verify run. Use :meth:`run`."""
+
+    def __init__(self, spec: VerifySpec, options: Options, console: Console | None = None):
+        unknown = [f for f in options.faults if f not in FAULTS]
+        if unknown:
+            raise ConfigError(f"verify: unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+        self.spec, self.options = spec, options
+        self.seed = options.seed if options.seed is not None else random.SystemRandom().randrange(10**6)
+        self.rng = random.Random(self.seed)
+        self.console = console or Console(stderr=True)
+        self.slow_file = os.path.join(spec.workdir, "slow-commit")
+        self.supervisors: list[subprocess.Popen] = []
+        self.anomalies: list[str] = []
+        for name in dict.fromkeys(options.faults):
+            why = FAULTS[name].unavailable(self)
+            if why:
+                raise ConfigError(f"verify: fault {name} {why}")
+
+    @property
+    def supervisor(self) -> subprocess.Popen:
+        return self.supervisors[-1]
+
+    # ---- processes ---------------------------------------------------------------------------
+
+    def start_supervisor(self, host: str | None = None) -> subprocess.Popen:
+        """``onceflow run`` of the verify job; on another UTS host name when ``host`` is set."""
+        job_file = importlib.util.find_spec("onceflow.verify.job").origin  # not imported here
+        cmd = [sys.executable, "-m", "onceflow", "run", job_file, "--no-savepoint-on-stop",
+               "--wait-for-lease", str(self.options.recovery_timeout)]
+        cmd.append("--standby" if self.options.standby else "--no-standby")
+        if host:
+            cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd]
+        env = {**os.environ, "ONCEFLOW_VERIFY_SPEC": os.path.join(self.spec.workdir, "spec.json"),
+               "ONCEFLOW_TASK_EVENTS": "1", "ONCEFLOW_LEASE_TTL_S": str(self.options.lease_ttl_s),
+               "ONCEFLOW_SLOW_COMMIT_FILE": self.slow_file}
+        out = open(os.path.join(self.spec.workdir, f"supervisor-{len(self.supervisors)}.log"), "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        out.close()
+        self.supervisors.append(proc)
+        return proc
+
+    def _commits(self, after: float = 0.0) -> list[dict]:
+        return [e for e in self.log.read() if e["event"] == "sink_commit" and e["ts"] > after]
+
+    def wait_commit(self, after: float, by: int | None = None, timeout: float = 180.0) -> bool:
+        """Wait until a batch with rows (or a replay) commits after ``after``."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if any(c["rows"] or c.get("replay") for c in self._commits(after)):
+                return True
+            if all(p.poll() is not None for p in self.supervisors):
+                return False
+            time.sleep(0.3)
+        return False
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    def schedule(self) -> list[tuple[str, float]]:
+        """(fault kind, pause before it) for each fault: from the seed alone."""
+        kinds = list(self.options.faults)
+        out = []
+        for i in range(self.options.count):
+            if i % len(kinds) == 0:
+                self.rng.shuffle(kinds)
+            out.append((kinds[i % len(kinds)], round(self.rng.uniform(*self.options.gap), 2)))
+        return out
+
+    def run(self) -> VerifyResult:
+        plan = self.schedule()
+        self.console.print(f"onceflow verify: seed {self.seed} (repeat with --seed {self.seed}); "
+                           f"{self.spec.events:,} events {self.spec.source} -> {self.spec.sink}; faults: "
+                           + (", ".join(k for k, _ in plan) or "none"))
+        started = time.time()
+        with setup.environment(self.spec, self.options, self.console):
+            self.log = EventLog(self.spec.checkpoint)
+            self.start_supervisor()
+            try:
+                records = self._inject_all(plan)
+            finally:
+                rc = self._finish()
+        ended = time.time()
+        table = read_output(self.spec)
+        report = check_events(table, self.spec.events)
+        events = list(self.log.read())
+        commits = [(e["ts"], e["rows"]) for e in events if e["event"] == "sink_commit" and not e.get("replay")]
+        for r in records:
+            r.recovered = next((c["ts"] for c in events if c["event"] == "sink_commit" and c["ts"] > r.end), None)
+        processed = sum(e.get("rows", 0) for e in events if e["event"] == "task")
+        restarts = sum(1 for e in events if e["event"] == "restart")
+        return VerifyResult(self.spec, self.seed, report, records, commits, started, ended, processed,
+                            restarts, dangling(self.spec), self.anomalies, rc)
+
+    def _inject_all(self, plan: list[tuple[str, float]]) -> list[FaultRecord]:
+        records: list[FaultRecord] = []
+        columns = (TextColumn("[bold]committed"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+        last_end = 0.0
+        with Progress(*columns, console=self.console) as progress:
+            bar = progress.add_task("events", total=self.spec.events, info="starting Spark")
+            for kind, pause in plan:
+                progress.update(bar, info=f"faults {len(records)}/{len(plan)} · waiting for a commit")
+                if not self._wait_up(last_end, progress, bar):
+                    break
+                deadline = time.time() + pause
+                while time.time() < deadline:
+                    progress.update(bar, completed=self._committed())
+                    time.sleep(0.2)
+                if self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None:
+                    break  # the stream is (nearly) done: a fault now would test nothing
+                start = time.time()
+                try:
+                    detail = FAULTS[kind].inject(self)
+                except FaultMissed as e:
+                    progress.console.print(f"[dim]{kind}: skipped ({e})[/dim]")
+                    continue
+                last_end = time.time()
+                records.append(FaultRecord(kind, start, last_end, detail))
+                progress.console.print(f"[yellow]fault {len(records)}: {kind}: {detail}[/yellow]")
+            if len(records) < len(plan):
+                progress.console.print(f"[yellow]{len(records)} of {len(plan)} faults injected: the stream "
+                                       "ended first (raise --events or lower --rate)[/yellow]")
+            deadline = time.time() + self.options.recovery_timeout + self.spec.events / self.spec.rate
+            while self.supervisor.poll() is None and time.time() < deadline:
+                progress.update(bar, completed=self._committed(), info="draining the stream")
+                time.sleep(0.5)
+            progress.update(bar, completed=self._committed(), info="done")
+        return records
+
+    def _committed(self) -> int:
+        return sum(c["rows"] for c in self._commits() if not c.get("replay"))
+
+    def _wait_up(self, after: float, progress: Progress, bar) -> bool:
+        deadline = time.time() + self.options.recovery_timeout
+        while time.time() < deadline:
+            progress.update(bar, completed=self._committed())
+            if any(c["rows"] for c in self._commits(after)):
+                return True
+            if self.supervisor.poll() is not None:
+                return False
+            time.sleep(0.3)
+        self.anomalies.append(f"no batch committed within {self.options.recovery_timeout:.0f}s of "
+                              "the previous fault")
+        return False
+
+    def _finish(self) -> int | None:
+        """The current supervisor's exit code; stops every supervisor still running."""
+        rc = self.supervisor.poll()
+        if rc is None:
+            self.anomalies.append("the job did not finish after the stream ended")
+        elif rc != 0:
+            log = os.path.join(self.spec.workdir, f"supervisor-{len(self.supervisors) - 1}.log")
+            with open(log, errors="replace") as f:
+                tail = [line.rstrip() for line in f.readlines()[-3:]]
+            self.anomalies.append(f"the job exited with {rc}; last lines of {log}: " + " | ".join(tail))
+        for p in self.supervisors:
+            if p.poll() is None:
+                procs.signal_all(procs.tree(p.pid), signal.SIGCONT)
+                p.terminate()
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+        if os.path.exists(self.slow_file):
+            os.unlink(self.slow_file)
+        return rc

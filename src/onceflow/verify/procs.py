@@ -1,0 +1,72 @@
+"""Finding the processes a fault hits: the active driver, its JVM, executors and Python workers.
+
+The active driver is the process that wrote the newest runner ``start`` event to the job's
+event log (it holds the lease). Its JVM is its ``java`` child; on ``local-cluster`` the
+executors are ``CoarseGrainedExecutorBackend`` JVMs below that JVM; Python workers are the
+processes forked by a ``pyspark.daemon`` (the daemon itself is the parent of each worker).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
+
+import psutil
+
+from onceflow.checkpoint.eventlog import EventLog
+
+
+def active_driver(log: EventLog) -> int | None:
+    """Pid of the newest driver that started a runner and is still alive, else None."""
+    for e in reversed(list(log.read())):
+        if e.get("event") == "start" and psutil.pid_exists(int(e["pid"])):
+            return int(e["pid"])
+    return None
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants (those that still exist)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def driver_jvm(driver: int) -> psutil.Process | None:
+    for p in tree(driver)[1:]:
+        if "java" in p.name() or _cmdline(p).startswith(("java", "/usr/lib/jvm")):
+            return p
+    return None
+
+
+def executors(driver: int) -> list[psutil.Process]:
+    return [p for p in tree(driver) if "CoarseGrainedExecutorBackend" in _cmdline(p)]
+
+
+def python_workers(driver: int) -> list[psutil.Process]:
+    """Python workers (children of a pyspark.daemon); the daemons themselves when none runs."""
+    procs = tree(driver)
+    daemons = [p for p in procs if "pyspark.daemon" in _cmdline(p)]
+    daemon_pids = {p.pid for p in daemons}
+    workers = [p for p in daemons if p.ppid() in daemon_pids]
+    return workers or [p for p in daemons if p.ppid() not in daemon_pids]
+
+
+def signal_all(procs: Iterable[psutil.Process], sig: signal.Signals) -> int:
+    """Send ``sig`` to each process; returns how many got it."""
+    n = 0
+    for p in procs:
+        try:
+            p.send_signal(sig)
+            n += 1
+        except psutil.NoSuchProcess:
+            pass
+    return n

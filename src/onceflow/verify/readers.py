@@ -1,0 +1,127 @@
+"""Independent readers: what a sink made visible, read without any onceflow sink code.
+
+* Delta: delta-rs reads the table's log and files (the sink's decision and fencing code is
+  not involved). Dangling: Parquet files in the table directory that no log entry adds.
+* PostgreSQL: a plain ``SELECT``. Dangling: prepared transactions of this sink
+  (``pg_prepared_xacts``) still waiting for a decision.
+* Kafka: a ``read_committed`` consumer reading every partition to its end. A broker that does
+  not hide aborted transactions shows their records here as duplicates (the defect onceflow's
+  broker probe warns about). Dangling: not observable from a client (open transactions are
+  aborted by the broker's transaction timeout), reported as none.
+
+Each reader returns a table ``(id int64, payload string, checksum int64)``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pyarrow as pa
+
+from onceflow.verify.spec import VerifySpec
+
+SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.string()), ("checksum", pa.int64())])
+
+
+def read_output(spec: VerifySpec) -> pa.Table:
+    if spec.sink == "delta":
+        return _read_delta(spec)
+    if spec.sink.startswith("postgres"):
+        return _read_postgres(spec)
+    return _read_kafka(spec)
+
+
+def dangling(spec: VerifySpec) -> list[str]:
+    """Transactions or files a sink prepared and never resolved."""
+    if spec.sink == "delta":
+        return _delta_orphans(spec)
+    if spec.sink.startswith("postgres"):
+        rows = _pg_query(spec, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s",
+                         (f"onceflow:{spec.sink_id}:%",))
+        return [r[0] for r in rows]
+    return []
+
+
+def _read_delta(spec: VerifySpec) -> pa.Table:
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        table = DeltaTable(spec.table).to_pyarrow_table(columns=["id", "payload", "checksum"])
+    except TableNotFoundError:  # nothing was ever committed
+        return SCHEMA.empty_table()
+    return table.cast(SCHEMA)
+
+
+def _delta_orphans(spec: VerifySpec) -> list[str]:
+    from deltalake import DeltaTable
+    from deltalake.exceptions import TableNotFoundError
+
+    if not os.path.isdir(spec.table):
+        return []
+    try:
+        adds = pa.table(DeltaTable(spec.table).get_add_actions(flatten=True)).column("path").to_pylist()
+    except TableNotFoundError:
+        adds = []
+    live = {os.path.basename(p) for p in adds}
+    return sorted(n for n in os.listdir(spec.table) if n.endswith(".parquet") and n not in live)
+
+
+def _pg_query(spec: VerifySpec, sql: str, params: tuple = ()) -> list[tuple]:
+    import psycopg
+
+    with psycopg.connect(spec.postgres, autocommit=True, connect_timeout=10) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def _read_postgres(spec: VerifySpec) -> pa.Table:
+    import psycopg
+    from psycopg import sql
+
+    query = sql.SQL("SELECT id, payload, checksum FROM {}").format(sql.Identifier(spec.table))
+    try:
+        rows = _pg_query(spec, query.as_string(None))
+    except psycopg.errors.UndefinedTable:
+        return SCHEMA.empty_table()
+    ids, payloads, sums = zip(*rows, strict=True) if rows else ((), (), ())
+    return pa.table([pa.array(ids, pa.int64()), pa.array(payloads, pa.string()),
+                     pa.array(sums, pa.int64())], schema=SCHEMA)
+
+
+def _read_kafka(spec: VerifySpec, timeout: float = 120.0) -> pa.Table:
+    from confluent_kafka import Consumer, TopicPartition
+
+    c = Consumer({"bootstrap.servers": spec.kafka, "group.id": f"onceflow-verify-{uuid.uuid4().hex[:8]}",
+                  "enable.auto.commit": False, "isolation.level": "read_committed",
+                  "auto.offset.reset": "earliest"})
+    try:
+        meta = c.list_topics(spec.table, timeout=10).topics.get(spec.table)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return SCHEMA.empty_table()
+        parts = [TopicPartition(spec.table, p) for p in meta.partitions]
+        ends = {tp.partition: c.get_watermark_offsets(tp, timeout=10, cached=False)[1] for tp in parts}
+        c.assign([TopicPartition(spec.table, p, 0) for p in ends])
+        ids, payloads, sums = [], [], []
+        deadline, idle = time.monotonic() + timeout, 0
+        while time.monotonic() < deadline:
+            msgs = c.consume(5000, 0.5)
+            idle = 0 if msgs else idle + 1
+            for m in msgs:
+                if m.error() is not None:
+                    continue
+                fields = (m.value() or b"").decode(errors="replace").split(",")
+                ids.append(int(fields[0]) if fields[0].lstrip("-").isdigit() else -1)
+                payloads.append(fields[1] if len(fields) > 1 else "")
+                sums.append(int(fields[2]) if len(fields) > 2 and fields[2].isdigit() else -1)
+            pos = {tp.partition: tp.offset for tp in c.position(parts)}
+            if all(ends[p] == 0 or pos[p] >= ends[p] for p in ends):
+                break
+            # a transaction's commit marker takes the last offset: nothing more to read
+            if idle >= 2 and all(ends[p] == 0 or pos[p] >= ends[p] - 1 for p in ends):
+                break
+    finally:
+        c.close()
+    return pa.table([pa.array(ids, pa.int64()), pa.array(payloads, pa.string()),
+                     pa.array(sums, pa.int64())], schema=SCHEMA)
