@@ -60,14 +60,18 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
               "only); needed by disk_full.")
 @click.option("--lease-ttl", default=6.0, show_default=True, type=click.FloatRange(1),
               help="Driver lease TTL for the run; a zombie pause lasts at least this long.")
-@click.option("--standby/--no-standby", default=True, show_default=True)
+@click.option("--standby/--no-standby", default=True, show_default=True,
+              help="Run with onceflow run's warm standby driver (the default of onceflow run).")
+@click.option("--wait-standby/--any-time", default=True, show_default=True,
+              help="Inject each fault once the standby is warm again (steady state), or as soon as "
+              "the job commits (faults also hit while the standby still warms up).")
 @click.option("--dir", "workdir", default="onceflow-verify", show_default=True,
               help="Work directory (checkpoint, Delta table, logs); wiped at start.")
 @click.option("--json", "json_out", metavar="FILE", help="Write the report as JSON ('-' for stdout).")
 @click.option("--chart", "chart_out", metavar="FILE.png", help="Chart path (default: DIR/verify.png).")
 def verify(source, sink, faults, count, seed, events, rate, partitions, master, postgres, kafka, gap,
            outage_s, slow_s, pg_stop, pg_start, broker_stop, broker_start, checkpoint_fs, lease_ttl,
-           standby, workdir, json_out, chart_out) -> None:
+           standby, wait_standby, workdir, json_out, chart_out) -> None:
     """Run a pipeline of checksummed event ids under faults; check the sink independently.
 
     Exit status 0 only when every event was committed exactly once with its own payload and
@@ -94,7 +98,7 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     options = Options(faults=kinds, count=count if kinds else 0, seed=seed, gap=gap, outage_s=outage_s,
                       slow_s=slow_s, pg_stop=pg_stop, pg_start=pg_start, broker_stop=broker_stop,
                       broker_start=broker_start, checkpoint_fs=checkpoint_fs, lease_ttl_s=lease_ttl,
-                      standby=standby)
+                      standby=standby, wait_standby=wait_standby)
     result = Harness(spec, options, console).run()
     report.print_report(result, console)
     chart_path = chart_out or os.path.join(workdir, "verify.png")

@@ -51,6 +51,7 @@ class Options:
     lease_ttl_s: float = 6.0
     recovery_timeout: float = 180.0
     standby: bool = True
+    wait_standby: bool = True
 
 
 @dataclass
@@ -218,11 +219,22 @@ class Harness:
     def _committed(self) -> int:
         return sum(c["rows"] for c in self._commits() if not c.get("replay"))
 
+    def _standby_ready(self) -> bool:
+        """The current supervisor has a warm standby that is not yet promoted."""
+        events = list(self.log.read())
+        ready = {e["pid"] for e in events if e["event"] == "standby_ready"}
+        promoted = {e["pid"] for e in events if e["event"] == "process_start" and e.get("standby")}
+        sup = self.supervisor.pid
+        return any(pid not in promoted and procs.parent(pid) == sup for pid in ready)
+
     def _wait_up(self, after: float, progress: Progress, bar) -> bool:
+        """Wait until a batch with rows committed after ``after`` and, with ``wait_standby``,
+        the standby is warm again (faults in steady state, not during the warm-up)."""
         deadline = time.time() + self.options.recovery_timeout
         while time.time() < deadline:
             progress.update(bar, completed=self._committed())
-            if any(c["rows"] for c in self._commits(after)):
+            if any(c["rows"] for c in self._commits(after)) and (
+                    not (self.options.standby and self.options.wait_standby) or self._standby_ready()):
                 return True
             if self.supervisor.poll() is not None:
                 return False

@@ -24,6 +24,14 @@ def active_driver(log: EventLog) -> int | None:
     return None
 
 
+def parent(pid: int) -> int | None:
+    """Parent pid of ``pid``, or None when it is gone."""
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess:
+        return None
+
+
 def _cmdline(p: psutil.Process) -> str:
     try:
         return " ".join(p.cmdline())
