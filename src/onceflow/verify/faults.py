@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 class Fault(ABC):
     name: ClassVar[str]
     help: ClassVar[str]
+    #: the fault ends the active driver (its next commit comes from another process)
+    kills_driver: ClassVar[bool] = False
 
     def unavailable(self, h: Harness) -> str | None:
         """Why this fault cannot run in this setup, or None."""
@@ -50,6 +52,7 @@ def _driver(h: Harness) -> int:
 
 class DriverKill(Fault):
     name, help = "driver_kill", "SIGKILL the driver's process group (driver, JVM): a machine crash"
+    kills_driver = True
 
     def inject(self, h: Harness) -> str:
         pid = _driver(h)
@@ -59,6 +62,7 @@ class DriverKill(Fault):
 
 class JvmKill(Fault):
     name, help = "jvm_kill", "SIGKILL only the driver's JVM, as the OOM killer does"
+    kills_driver = True
 
     def inject(self, h: Harness) -> str:
         jvm = procs.driver_jvm(_driver(h))
@@ -103,6 +107,7 @@ class Zombie(Fault):
     woken driver must be fenced (exit 5) and commit nothing."""
 
     name, help = "zombie", "SIGSTOP the job's host past the lease; a successor takes over; SIGCONT"
+    kills_driver = True
 
     def unavailable(self, h: Harness) -> str | None:
         if shutil.which("unshare") is None or os.geteuid() != 0:

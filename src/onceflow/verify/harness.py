@@ -60,7 +60,13 @@ class FaultRecord:
     start: float
     end: float
     detail: str
+    #: a driver-level fault: the commit-runner pid of the killed driver, whose in-flight commit
+    #: may still land just after the kill and must not count as the recovery
+    stale_pid: int | None = None
     recovered: float | None = None  # first commit after the fault ended
+
+    def recovered_by(self, commit: dict) -> bool:
+        return commit["ts"] > self.end and commit["pid"] != self.stale_pid
 
     @property
     def recovery_s(self) -> float | None:
@@ -174,7 +180,7 @@ class Harness:
         events = list(self.log.read())
         commits = [(e["ts"], e["rows"]) for e in events if e["event"] == "sink_commit" and not e.get("replay")]
         for r in records:
-            r.recovered = next((c["ts"] for c in events if c["event"] == "sink_commit" and c["ts"] > r.end), None)
+            r.recovered = next((c["ts"] for c in events if c["event"] == "sink_commit" and r.recovered_by(c)), None)
         processed = sum(e.get("rows", 0) for e in events if e["event"] == "task")
         restarts = sum(1 for e in events if e["event"] == "restart")
         return VerifyResult(self.spec, self.seed, report, records, commits, started, ended, processed,
@@ -184,12 +190,12 @@ class Harness:
         records: list[FaultRecord] = []
         columns = (TextColumn("[bold]committed"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-        last_end = 0.0
+        last: FaultRecord | None = None
         with Progress(*columns, console=self.console) as progress:
             bar = progress.add_task("events", total=self.spec.events, info="starting Spark")
             for kind, pause in plan:
                 progress.update(bar, info=f"faults {len(records)}/{len(plan)} · waiting for a commit")
-                if not self._wait_up(last_end, progress, bar):
+                if not self._wait_up(last, progress, bar):
                     break
                 deadline = time.time() + pause
                 while time.time() < deadline:
@@ -198,13 +204,15 @@ class Harness:
                 if self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None:
                     break  # the stream is (nearly) done: a fault now would test nothing
                 start = time.time()
+                before = self._commits()
                 try:
                     detail = FAULTS[kind].inject(self)
                 except FaultMissed as e:
                     progress.console.print(f"[dim]{kind}: skipped ({e})[/dim]")
                     continue
-                last_end = time.time()
-                records.append(FaultRecord(kind, start, last_end, detail))
+                stale = before[-1]["pid"] if before and FAULTS[kind].kills_driver else None
+                last = FaultRecord(kind, start, time.time(), detail, stale)
+                records.append(last)
                 progress.console.print(f"[yellow]fault {len(records)}: {kind}: {detail}[/yellow]")
             if len(records) < len(plan):
                 progress.console.print(f"[yellow]{len(records)} of {len(plan)} faults injected: the stream "
@@ -227,13 +235,13 @@ class Harness:
         sup = self.supervisor.pid
         return any(pid not in promoted and procs.parent(pid) == sup for pid in ready)
 
-    def _wait_up(self, after: float, progress: Progress, bar) -> bool:
-        """Wait until a batch with rows committed after ``after`` and, with ``wait_standby``,
-        the standby is warm again (faults in steady state, not during the warm-up)."""
+    def _wait_up(self, last: FaultRecord | None, progress: Progress, bar) -> bool:
+        """Wait until a batch with rows committed after the ``last`` fault and, with
+        ``wait_standby``, the standby is warm again (faults in steady state, not mid warm-up)."""
         deadline = time.time() + self.options.recovery_timeout
         while time.time() < deadline:
             progress.update(bar, completed=self._committed())
-            if any(c["rows"] for c in self._commits(after)) and (
+            if any(c["rows"] and (last is None or last.recovered_by(c)) for c in self._commits()) and (
                     not (self.options.standby and self.options.wait_standby) or self._standby_ready()):
                 return True
             if self.supervisor.poll() is not None:

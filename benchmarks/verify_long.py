@@ -1,0 +1,99 @@
+"""The long ``onceflow verify`` campaign: every sink, every fault kind, many faults.
+
+One command: ``python benchmarks/verify_long.py [--faults-per-run N] [--runs delta,pg2pc,...]
+[--seed S] [--out DIR]``.
+
+It starts a throwaway PostgreSQL 15 (so ``pg_restart``/``pg_down`` can stop and start it) and a
+tansu broker, then runs ``onceflow verify`` once per pipeline below with every fault that
+pipeline can take, and prints one table: faults injected per kind, events, duplicates,
+missing, corrupted, dangling, recovery (median/max) and the verdict of each run, plus totals.
+Each run's JSON report and chart are kept in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from kafka_broker import KafkaBroker  # noqa: E402
+from pg_cluster import OS_USER, PG_BIN, PgCluster  # noqa: E402
+
+PROCESS = ["driver_kill", "jvm_kill", "worker_kill", "zombie", "slow_sink"]
+RUNS = {  # name: (source, sink, extra faults, master)
+    "delta": ("sequence", "delta", ["disk_full"], "local[2]"),
+    "delta-cluster": ("sequence", "delta", ["executor_kill"], "local-cluster[2,1,1024]"),
+    "pg2pc": ("sequence", "postgres-two_phase", ["pg_restart", "pg_down"], "local[2]"),
+    "pgidem": ("sequence", "postgres-idempotent", ["pg_restart", "pg_down"], "local[2]"),
+    "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart"], "local[2]"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--faults-per-run", type=int, default=40)
+    ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--seed", type=int, default=2026)
+    ap.add_argument("--rate", type=int, default=4000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    out = args.out or tempfile.mkdtemp(prefix="onceflow-verify-long-")
+    os.makedirs(out, exist_ok=True)
+    pg = PgCluster(max_prepared_transactions=40, fsync=True, name="verify-long")
+    broker = KafkaBroker().start()
+    ctl = f"runuser -u {OS_USER} -- {PG_BIN}/pg_ctl -D {pg.data}"
+    rows = []
+    try:
+        for i, name in enumerate(args.runs.split(",")):
+            source, sink, extra, master = RUNS[name]
+            faults = PROCESS + extra
+            report = os.path.join(out, f"{name}.json")
+            cmd = [sys.executable, "-m", "onceflow", "verify", "--source", source, "--sink", sink,
+                   "--faults", ",".join(faults), "--count", str(args.faults_per_run), "--seed", str(args.seed + i),
+                   "--rate", str(args.rate), "--master", master, "--dir", os.path.join(out, name),
+                   "--json", report, "--chart", os.path.join(out, f"{name}.png"), "--outage-s", "22",
+                   "--postgres", pg.dsn, "--kafka", broker.bootstrap, "--any-time",
+                   "--pg-stop", f"{ctl} -m {{mode}} -w -t 60 stop",
+                   "--pg-start", f"{ctl} -l {pg.logfile} -w -t 60 start"]
+            if "disk_full" in faults:
+                cmd += ["--checkpoint-fs", "96m"]
+            print(f"== {name}: {source} -> {sink} on {master}; faults {', '.join(faults)}", flush=True)
+            rc = subprocess.run(cmd).returncode
+            r = json.load(open(report)) if os.path.exists(report) else {"verdict": f"no report (exit {rc})"}
+            rows.append((name, rc, r))
+    finally:
+        broker.stop()
+        pg.destroy()
+    print_table(rows, out)
+
+
+def print_table(rows: list[tuple[str, int, dict]], out: str) -> None:
+    kinds: Counter = Counter()
+    recov: list[float] = []
+    print(f"\n{'run':14} {'faults':>6} {'events':>9} {'dup':>5} {'miss':>5} {'corr':>5} {'dangl':>5} "
+          f"{'rec med':>8} {'rec max':>8}  verdict")
+    for name, rc, r in rows:
+        log = r.get("fault_log", [])
+        kinds.update(f["kind"] for f in log)
+        recov += [f["recovery_s"] for f in log if f.get("recovery_s") is not None]
+        print(f"{name:14} {len(log):>6} {r.get('events_generated', 0):>9,} {r.get('duplicates', '-'):>5} "
+              f"{r.get('missing', '-'):>5} {r.get('corrupted_payloads', '-'):>5} {len(r.get('dangling', [])):>5} "
+              f"{str(r.get('recovery_s_median')):>8} {str(r.get('recovery_s_max')):>8}  {r.get('verdict')} (exit {rc})")
+        for a in r.get("anomalies", []):
+            print(f"    anomaly: {a}")
+    print(f"\nfaults by kind: {dict(sorted(kinds.items()))}; total {sum(kinds.values())}")
+    if recov:
+        print(f"recovery fault -> next commit: median {statistics.median(recov):.1f} s, max {max(recov):.1f} s")
+    print(f"reports and charts: {out}")
+
+
+if __name__ == "__main__":
+    main()
