@@ -73,3 +73,26 @@ def test_a_lease_that_cannot_be_renewed_is_lost_after_its_ttl(tmp_path):
     assert "could not be renewed" in lease.lost_reason
     with pytest.raises(FencedError):
         lease.check()
+
+
+def test_a_driver_can_wait_for_another_hosts_lease_to_lapse(tmp_path):
+    lease_dir = tmp_path / "_onceflow" / "lease"
+    lease_dir.mkdir(parents=True)
+    # a holder on another host that renewed just now and then froze (never renews again)
+    (lease_dir / f"{1:012d}.json").write_text(json.dumps(
+        {"token": "t", "epoch": 1, "host": "elsewhere", "pid": 1, "job": "job", "renewed": time.time()}))
+    with pytest.raises(FencedError, match="already running"):
+        DriverLease(str(tmp_path), "job", ttl_s=1.0, renew_s=0.2).acquire()
+    t0 = time.monotonic()
+    successor = DriverLease(str(tmp_path), "job", ttl_s=1.0, renew_s=0.2).acquire(wait_s=10)
+    waited = time.monotonic() - t0
+    assert successor.epoch == 2 and 0.5 < waited < 5  # the TTL plus one renewal period, not the wait
+    successor.release()
+
+
+def test_a_record_being_written_counts_as_held(tmp_path):
+    lease_dir = tmp_path / "_onceflow" / "lease"
+    lease_dir.mkdir(parents=True)
+    (lease_dir / f"{1:012d}.json").write_bytes(b"")  # exclusively created, content not yet written
+    with pytest.raises(FencedError, match="already running"):
+        DriverLease(str(tmp_path), "job", ttl_s=30).acquire()

@@ -63,6 +63,8 @@ def test_delta_survives_driver_kill_jvm_kill_and_a_zombie(tmp_path):
     promoted = {e["pid"] for e in events if e["event"] == "process_start" and e.get("standby")}
     assert len(promoted) >= 2 and all(
         any(e["event"] == "start" and e["pid"] == pid and e["takeover"] for e in events) for pid in promoted)
+    # the driver whose JVM alone was killed noticed and exited 70 (it did not hang)
+    assert any(e["event"] == "restart" and e.get("exit_code") == 70 for e in events)
 
 
 @pytest.fixture

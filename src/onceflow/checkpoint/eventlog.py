@@ -4,16 +4,20 @@ One object per line, each with ``ts`` (UTC epoch seconds), ``event`` and event f
 ``batch`` (a committed micro-batch with its progress figures), ``start``, ``restart``
 (with ``cause`` and ``delay_s``), ``recovered`` (with ``recovery_s``), ``stop``,
 ``savepoint``. Appends are whole lines; a torn last line after a crash is skipped on read.
+An append that fails (a full disk) is logged as a warning and dropped: never an error.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
 
 from fsspec.core import url_to_fs
+
+log = logging.getLogger("onceflow.eventlog")
 
 EVENTS_DIR = "_onceflow"
 EVENTS_FILE = "events.jsonl"
@@ -33,17 +37,20 @@ class EventLog:
     def append(self, event: str, **fields) -> dict:
         record = {"ts": round(time.time(), 3), "event": event, "pid": os.getpid(), **fields}
         line = json.dumps(record, default=str) + "\n"
-        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
-        if self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol:
-            # O_APPEND keeps concurrent writers (supervisor + driver) line-atomic.
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
-        else:
-            with self.fs.open(self.path, "a") as f:
-                f.write(line)
+        try:
+            self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
+            if self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol:
+                # O_APPEND keeps concurrent writers (supervisor + driver) line-atomic.
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+                try:
+                    os.write(fd, line.encode())
+                finally:
+                    os.close(fd)
+            else:
+                with self.fs.open(self.path, "a") as f:
+                    f.write(line)
+        except OSError as e:  # a full or failing disk: the log is for humans, never fail a job over it
+            log.warning("event log %s: %s event not written (%s)", self.path, event, e)
         return record
 
     def size(self) -> int:

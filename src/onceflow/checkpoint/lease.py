@@ -88,8 +88,14 @@ class DriverLease:
         try:
             with self.fs.open(self._path(epoch), "r") as f:
                 return json.load(f)
-        except (FileNotFoundError, ValueError):
+        except FileNotFoundError:
             return None
+        except ValueError:  # being written right now (exclusive create, then the content)
+            try:
+                mtime = self.fs.modified(self._path(epoch)).timestamp()
+            except (OSError, NotImplementedError):
+                mtime = time.time()
+            return {"host": "?", "pid": 0, "renewed": mtime, "epoch": epoch}
 
     def _record(self) -> dict:
         return {"token": self.token, "epoch": self.epoch, "host": socket.gethostname(),
@@ -106,16 +112,32 @@ class DriverLease:
             return False
         if rec.get("host") == socket.gethostname():
             return _pid_alive(int(rec.get("pid", 0)))
-        return time.time() - float(rec.get("renewed", 0)) < self.ttl_s
+        # another host: lapsed once not renewed for a TTL plus one renewal period, so the holder
+        # (which gives itself up after a TTL without renewal) is gone before a successor comes
+        return time.time() - float(rec.get("renewed", 0)) < self.ttl_s + self.renew_s
 
     # ---- acquire / renew / release ---------------------------------------------------------
+
+    def _create(self, epoch: int) -> bool:
+        """Exclusively create the record of ``epoch``; False when another driver created it."""
+        self.epoch = epoch
+        try:
+            with self.fs.open(self._path(epoch), "xb") as f:
+                f.write(json.dumps(self._record()).encode())
+        except FileExistsError:
+            self.epoch = None
+            return False
+        except (NotImplementedError, ValueError) as e:
+            raise ConfigError(f"the checkpoint filesystem of {self.url} cannot create files "
+                              f"exclusively ({e}); use a filesystem with conditional writes") from None
+        return True
 
     def acquire(self, takeover: bool = False, wait_s: float | None = None) -> DriverLease:
         """Take the next epoch; FencedError while a live driver holds the lease.
 
         ``wait_s`` (default ``ONCEFLOW_LEASE_WAIT_S``, else 0): wait that long for a live
         holder's lease to lapse (a driver on another host that stopped renewing) before giving
-        up; a host's second driver for the same job can so stand by for the first.
+        up, so a driver started on a second host can stand by for the first one.
         """
         self.fs.makedirs(self.dir, exist_ok=True)
         if wait_s is None:
@@ -125,30 +147,24 @@ class DriverLease:
             epochs = self._epochs()
             top = epochs[-1] if epochs else 0
             rec = self._read(top) if epochs else None
-            if not (rec and not takeover and self._alive(rec)) or time.monotonic() >= deadline:
+            held = bool(rec and not takeover and self._alive(rec))
+            if not held and self._create(top + 1):
                 break
-            if time.monotonic() - said >= 30:
+            if time.monotonic() >= deadline:
+                if not held:  # lost the race for top + 1 to another driver
+                    raise FencedError(f"another driver took the lease on {self.url} (epoch {top + 1}) "
+                                      "at the same moment; retry")
+                raise FencedError(
+                    f"job {rec.get('job')!r} is already running on this checkpoint (pid {rec.get('pid')} "
+                    f"on {rec.get('host')}, lease epoch {top}); stop it first (SIGTERM or 'onceflow "
+                    "stop'), or use another checkpoint directory for a second copy ('onceflow run "
+                    "--from-savepoint SP --fork')"
+                )
+            if held and time.monotonic() - said >= 30:
                 said = time.monotonic()
                 log.info("waiting up to %.0fs for the lease of pid %s on %s (epoch %s) to lapse",
                          deadline - said, rec.get("pid"), rec.get("host"), top)
             time.sleep(min(1.0, self.renew_s))
-        if rec and not takeover and self._alive(rec):
-            raise FencedError(
-                f"job {rec.get('job')!r} is already running on this checkpoint (pid {rec.get('pid')} "
-                f"on {rec.get('host')}, lease epoch {top}); stop it first (SIGTERM or 'onceflow "
-                "stop'), or use another checkpoint directory for a second copy ('onceflow run "
-                "--from-savepoint SP --fork')"
-            )
-        self.epoch = top + 1
-        try:
-            with self.fs.open(self._path(self.epoch), "xb") as f:
-                f.write(json.dumps(self._record()).encode())
-        except FileExistsError:
-            raise FencedError(f"another driver took the lease on {self.url} (epoch {self.epoch}) "
-                              "at the same moment; retry") from None
-        except (NotImplementedError, ValueError) as e:
-            raise ConfigError(f"the checkpoint filesystem of {self.url} cannot create files "
-                              f"exclusively ({e}); use a filesystem with conditional writes") from None
         for old in epochs:  # older holders are gone or fenced: keep the directory small
             try:
                 self.fs.rm(self._path(old))

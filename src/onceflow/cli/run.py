@@ -42,8 +42,8 @@ from onceflow.savepoint.restore import remove_if_only_onceflow
               help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
               "that takes over within seconds when the active driver dies; costs its memory.")
 @click.option("--wait-for-lease", "wait_for_lease", type=click.FloatRange(0), default=0, metavar="SECONDS",
-              help="When a driver on another host holds the checkpoint's lease, wait up to SECONDS "
-              "for it to lapse (that driver died or hangs) and then take over, instead of exiting.")
+              help="When another driver holds the checkpoint's lease, wait up to SECONDS for it to end "
+              "or lapse (it died, or hangs on another host) and then take over, instead of exiting.")
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,

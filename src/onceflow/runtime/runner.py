@@ -16,6 +16,7 @@ start, restart and stop is appended to the event log.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -85,24 +86,47 @@ def ensure_lineage(ckpt: CheckpointDir) -> str:
     return ckpt.lineage
 
 
-def check_checkpoint_dir(url: str) -> None:
-    """The checkpoint directory must be creatable and writable; fail early if not."""
+def check_checkpoint_dir(url: str, wait_for_space: bool = False) -> None:
+    """The checkpoint directory must be creatable and writable; fail early if not.
+
+    ``wait_for_space``: a full filesystem (ENOSPC, EDQUOT) is an outage, not an error: wait
+    (logging every 30 s) until a write succeeds again.
+    """
+    said = float("-inf")
+    while True:
+        try:
+            _probe_write(url)
+            break
+        except OSError as e:
+            if not (wait_for_space and e.errno in (errno.ENOSPC, errno.EDQUOT)):
+                raise CheckpointError(
+                    f"checkpoint directory {url} is not writable ({e.__class__.__name__}: {e}); "
+                    "give a directory you can write to"
+                ) from None
+            if time.monotonic() - said >= 30:
+                said = time.monotonic()
+                log.warning("checkpoint filesystem of %s is full (%s); waiting for space", url, e.strerror)
+            time.sleep(1.0)
+    ckpt = CheckpointDir(url)
+    if ckpt.fs.exists(ckpt._p("metadata")):
+        _ = ckpt.lineage  # raises CheckpointError when corrupt
+
+
+def _probe_write(url: str) -> None:
     try:
         fs, path = url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/_onceflow/.probe-{uuid.uuid4().hex[:8]}"
         fs.makedirs(probe.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(probe, "w") as f:
-            f.write("ok")
-        fs.rm(probe)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"checkpoint directory {url} is not writable ({e.__class__.__name__}: {e}); "
-            "give a directory you can write to"
-        ) from None
-    ckpt = CheckpointDir(url)
-    if ckpt.fs.exists(ckpt._p("metadata")):
-        _ = ckpt.lineage  # raises CheckpointError when corrupt
+        try:
+            with fs.open(probe, "w") as f:
+                f.write("ok")
+        finally:
+            if fs.exists(probe):
+                fs.rm(probe)
+    except ValueError as e:  # a malformed URL; OSError goes to the caller
+        raise CheckpointError(f"checkpoint directory {url} is not writable (ValueError: {e}); "
+                              "give a directory you can write to") from None
 
 
 class JobRunner:
@@ -122,7 +146,7 @@ class JobRunner:
 
     def run(self) -> None:
         job = self.job
-        check_checkpoint_dir(self.url)
+        check_checkpoint_dir(self.url, wait_for_space=True)
         with ExitStack() as stack:
             t0 = time.time()
             lease, spark = DriverLease(self.url, job.name), self.spark

@@ -398,7 +398,7 @@ class Supervisor:
         go = os.path.join(self._standby_dir, f"go-{self._standby_n}")
         env = {**(os.environ if self.env is None else self.env), GO_ENV: go}
         proc = subprocess.Popen([*_LAUNCH, *self.command()], env=env, start_new_session=True)
-        self._standby = _Standby(proc, go)
+        self._standby, self._memory_shown = _Standby(proc, go), False  # each standby reports ready
         self._last_standby_start = time.monotonic()
         log.info("standby driver started: pid %d", proc.pid)
         self.events.append("standby_start", pid=proc.pid, host=socket.gethostname(), scope="process")

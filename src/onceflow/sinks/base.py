@@ -400,6 +400,7 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             EventLog(ckpt.url).append(
                 "sink_commit", sink=self.sink.format_name, batch=batch_id, lineage=lineage,
                 rows=rows, replay=replay, commit_s=round(time.monotonic() - started, 4),
+                driver=int(os.environ.get("ONCEFLOW_DRIVER_PGID") or 0) or None,
             )
         except OSError as e:  # the event log is for humans; never fail a commit over it
             log.warning("could not append to the event log: %s", e)

@@ -51,7 +51,7 @@ def _driver(h: Harness) -> int:
 
 
 class DriverKill(Fault):
-    name, help = "driver_kill", "SIGKILL the driver's process group (driver, JVM): a machine crash"
+    name, help = "driver_kill", "SIGKILL the driver's process group (driver and JVM; the JVM's Python workers then exit)"
     kills_driver = True
 
     def inject(self, h: Harness) -> str:
@@ -110,23 +110,26 @@ class Zombie(Fault):
     kills_driver = True
 
     def unavailable(self, h: Harness) -> str | None:
-        if shutil.which("unshare") is None or os.geteuid() != 0:
-            return "needs root and unshare(1) to give the successor another host name"
+        if shutil.which("unshare") is None or subprocess.run(
+                ["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+            return "needs unshare(1) allowed to make a UTS namespace (root) for the successor's host name"
         return None
 
     def inject(self, h: Harness) -> str:
         old = h.supervisor
-        frozen = procs.tree(old.pid)
-        procs.signal_all(frozen, signal.SIGSTOP)
-        paused_at = time.time()
+        frozen = procs.freeze(old.pid)
+        paused_at = h.settled = time.time()
         new = h.start_supervisor(host=f"verify-host-{len(h.supervisors)}")
-        committed = h.wait_commit(after=paused_at, by=new.pid, timeout=h.options.recovery_timeout)
+        committed = h.wait_commit(paused_at, new, timeout=h.options.recovery_timeout)
         procs.signal_all(frozen, signal.SIGCONT)
         try:
             rc = old.wait(timeout=h.options.recovery_timeout)
         except subprocess.TimeoutExpired:
             rc = None
         paused = time.time() - paused_at
+        if not committed:
+            h.anomalies.append(f"zombie: the successor (supervisor {new.pid}) never committed while "
+                               f"the old host was frozen; see supervisor-{len(h.supervisors) - 1}.log")
         if rc != 5:
             h.anomalies.append(f"zombie: the paused job's supervisor {old.pid} exited with {rc}, "
                                "not 5 (fenced)")
@@ -159,8 +162,10 @@ class PgRestart(_Command):
 
     def inject(self, h: Harness) -> str:
         mode = h.rng.choice(["fast", "immediate"])
-        self._run(h, self.stop_opt, mode)
-        self._run(h, self.start_opt)
+        try:
+            self._run(h, self.stop_opt, mode)
+        finally:
+            self._run(h, self.start_opt)
         return f"PostgreSQL {mode} shutdown and restart"
 
 
@@ -170,8 +175,10 @@ class PgDown(_Command):
 
     def inject(self, h: Harness) -> str:
         self._run(h, self.stop_opt, "fast")
-        time.sleep(h.options.outage_s)
-        self._run(h, self.start_opt)
+        try:
+            time.sleep(h.options.outage_s)
+        finally:
+            self._run(h, self.start_opt)
         return f"PostgreSQL down {h.options.outage_s:.0f}s"
 
 
@@ -180,14 +187,16 @@ class BrokerRestart(_Command):
     stop_opt, start_opt = "broker_stop", "broker_start"
 
     def inject(self, h: Harness) -> str:
-        self._run(h, self.stop_opt)
-        self._run(h, self.start_opt)
+        try:
+            self._run(h, self.stop_opt)
+        finally:
+            self._run(h, self.start_opt)
         return "broker restarted"
 
 
 class DiskFull(Fault):
-    """Fill the checkpoint's filesystem (a tmpfs ``onceflow verify`` mounted, or the user's own
-    small filesystem) until writes fail with ENOSPC, hold it full, then free the space."""
+    """Fill the checkpoint's filesystem (the tmpfs ``--checkpoint-fs`` mounted) until writes
+    fail with ENOSPC, hold it full, then free the space."""
 
     name, help = "disk_full", "fill the checkpoint filesystem, hold it full, free it"
 
@@ -198,18 +207,18 @@ class DiskFull(Fault):
 
     def inject(self, h: Harness) -> str:
         filler = os.path.join(os.path.dirname(h.spec.checkpoint), "onceflow-verify-filler")
-        written = 0
-        with open(filler, "wb") as f:
-            block = b"\0" * (1 << 20)
+        written, block = 0, b"\0" * (1 << 16)
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
             try:
                 while True:
-                    f.write(block)
-                    f.flush()
-                    written += len(block)
-            except OSError:
+                    written += os.write(fd, block)
+            except OSError:  # ENOSPC: full
                 pass
-        time.sleep(h.options.outage_s)
-        os.unlink(filler)
+            time.sleep(h.options.outage_s)
+        finally:
+            os.close(fd)
+            os.unlink(filler)
         return f"filled {written >> 20} MiB, full for {h.options.outage_s:.0f}s"
 
 

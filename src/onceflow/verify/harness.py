@@ -13,6 +13,7 @@ Guarantees of the harness itself:
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import signal
@@ -21,11 +22,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import psutil
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.errors import ConfigError
+from onceflow.errors import ConfigError, OnceflowError
 from onceflow.verify import procs, setup
 from onceflow.verify.exactly_once import Report, check_events
 from onceflow.verify.faults import FAULTS, FaultMissed
@@ -60,13 +62,17 @@ class FaultRecord:
     start: float
     end: float
     detail: str
-    #: a driver-level fault: the commit-runner pid of the killed driver, whose in-flight commit
-    #: may still land just after the kill and must not count as the recovery
-    stale_pid: int | None = None
-    recovered: float | None = None  # first commit after the fault ended
+    #: commits after this instant count as the recovery (the fault's end; for a zombie, the
+    #: moment the old host froze: the successor's first commit is the recovery)
+    settled: float = 0.0
+    #: a driver-level fault: the driver that was hit. Its in-flight commit may still land just
+    #: after the kill (the commit runner is not in the driver's process group): not a recovery
+    stale_driver: int | None = None
+    recovered: float | None = None
 
     def recovered_by(self, commit: dict) -> bool:
-        return commit["ts"] > self.end and commit["pid"] != self.stale_pid
+        return commit["ts"] > max(self.settled, self.start) and (
+            self.stale_driver is None or commit.get("driver") != self.stale_driver)
 
     @property
     def recovery_s(self) -> float | None:
@@ -107,6 +113,10 @@ class Harness:
         self.slow_file = os.path.join(spec.workdir, "slow-commit")
         self.supervisors: list[subprocess.Popen] = []
         self.anomalies: list[str] = []
+        #: set by a fault whose recovery starts before it ends (see FaultRecord.settled)
+        self.settled: float | None = None
+        self._events: list[dict] = []
+        self._offset = 0
         for name in dict.fromkeys(options.faults):
             why = FAULTS[name].unavailable(self)
             if why:
@@ -135,16 +145,33 @@ class Harness:
         self.supervisors.append(proc)
         return proc
 
-    def _commits(self, after: float = 0.0) -> list[dict]:
-        return [e for e in self.log.read() if e["event"] == "sink_commit" and e["ts"] > after]
+    def events(self) -> list[dict]:
+        """Every event logged so far (read incrementally: the log only grows)."""
+        try:
+            with open(self.log.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return self._events
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        for line in complete.splitlines():
+            try:
+                self._events.append(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a crash
+        return self._events
 
-    def wait_commit(self, after: float, by: int | None = None, timeout: float = 180.0) -> bool:
-        """Wait until a batch with rows (or a replay) commits after ``after``."""
+    def _commits(self, after: float = 0.0) -> list[dict]:
+        return [e for e in self.events() if e["event"] == "sink_commit" and e["ts"] > after]
+
+    def wait_commit(self, after: float, proc: subprocess.Popen, timeout: float = 180.0) -> bool:
+        """Wait until a batch commits after ``after``; False when ``proc`` ended first."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             if any(c["rows"] or c.get("replay") for c in self._commits(after)):
                 return True
-            if all(p.poll() is not None for p in self.supervisors):
+            if proc.poll() is not None:
                 return False
             time.sleep(0.3)
         return False
@@ -174,10 +201,10 @@ class Harness:
                 records = self._inject_all(plan)
             finally:
                 rc = self._finish()
+            events = list(self.events())  # before a tmpfs checkpoint is unmounted
         ended = time.time()
         table = read_output(self.spec)
         report = check_events(table, self.spec.events)
-        events = list(self.log.read())
         commits = [(e["ts"], e["rows"]) for e in events if e["event"] == "sink_commit" and not e.get("replay")]
         for r in records:
             r.recovered = next((c["ts"] for c in events if c["event"] == "sink_commit" and r.recovered_by(c)), None)
@@ -203,24 +230,29 @@ class Harness:
                     time.sleep(0.2)
                 if self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None:
                     break  # the stream is (nearly) done: a fault now would test nothing
-                start = time.time()
-                before = self._commits()
+                start, self.settled = time.time(), None
+                victim = procs.active_driver(self.log) if FAULTS[kind].kills_driver else None
                 try:
                     detail = FAULTS[kind].inject(self)
-                except FaultMissed as e:
-                    progress.console.print(f"[dim]{kind}: skipped ({e})[/dim]")
+                except (FaultMissed, ProcessLookupError, psutil.NoSuchProcess) as e:
+                    progress.console.print(f"[dim]{kind}: skipped ({e or 'its target was gone'})[/dim]")
                     continue
-                stale = before[-1]["pid"] if before and FAULTS[kind].kills_driver else None
-                last = FaultRecord(kind, start, time.time(), detail, stale)
+                except (OnceflowError, OSError, subprocess.SubprocessError) as e:
+                    self.anomalies.append(f"fault {kind} could not be injected: {e}")
+                    continue
+                end = time.time()
+                last = FaultRecord(kind, start, end, detail, self.settled or end, victim)
                 records.append(last)
                 progress.console.print(f"[yellow]fault {len(records)}: {kind}: {detail}[/yellow]")
             if len(records) < len(plan):
-                progress.console.print(f"[yellow]{len(records)} of {len(plan)} faults injected: the stream "
-                                       "ended first (raise --events or lower --rate)[/yellow]")
-            deadline = time.time() + self.options.recovery_timeout + self.spec.events / self.spec.rate
-            while self.supervisor.poll() is None and time.time() < deadline:
-                progress.update(bar, completed=self._committed(), info="draining the stream")
+                self.anomalies.append(f"only {len(records)} of {len(plan)} faults were injected (skipped "
+                                      "faults, or the stream ended first: raise --events or lower --rate)")
+            progress_at, seen = time.time(), self._committed()
+            while self.supervisor.poll() is None and time.time() - progress_at < self.options.recovery_timeout:
+                progress.update(bar, completed=seen, info="draining the stream")
                 time.sleep(0.5)
+                if self._committed() != seen:
+                    progress_at, seen = time.time(), self._committed()
             progress.update(bar, completed=self._committed(), info="done")
         return records
 
@@ -229,7 +261,7 @@ class Harness:
 
     def _standby_ready(self) -> bool:
         """The current supervisor has a warm standby that is not yet promoted."""
-        events = list(self.log.read())
+        events = self.events()
         ready = {e["pid"] for e in events if e["event"] == "standby_ready"}
         promoted = {e["pid"] for e in events if e["event"] == "process_start" and e.get("standby")}
         sup = self.supervisor.pid
@@ -261,14 +293,16 @@ class Harness:
             with open(log, errors="replace") as f:
                 tail = [line.rstrip() for line in f.readlines()[-3:]]
             self.anomalies.append(f"the job exited with {rc}; last lines of {log}: " + " | ".join(tail))
-        for p in self.supervisors:
-            if p.poll() is None:
-                procs.signal_all(procs.tree(p.pid), signal.SIGCONT)
-                p.terminate()
+        left = [p for sup in self.supervisors for p in procs.tree(sup.pid)]
+        procs.signal_all(left, signal.SIGCONT)  # a frozen zombie host must be able to stop
+        for sup in self.supervisors:
+            if sup.poll() is None:
+                sup.terminate()  # stops its drivers and standby
                 try:
-                    p.wait(30)
+                    sup.wait(30)
                 except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
+                    pass
+        procs.signal_all(left, signal.SIGKILL)  # whatever outlived its supervisor
         if os.path.exists(self.slow_file):
             os.unlink(self.slow_file)
         return rc

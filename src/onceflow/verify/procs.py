@@ -68,6 +68,19 @@ def python_workers(driver: int) -> list[psutil.Process]:
     return workers or [p for p in daemons if p.ppid() not in daemon_pids]
 
 
+def freeze(pid: int, rounds: int = 5) -> list[psutil.Process]:
+    """SIGSTOP ``pid`` and all its descendants, again until no new process appears (one may
+    fork between listing and stopping); returns the stopped processes (for SIGCONT)."""
+    stopped: dict[int, psutil.Process] = {}
+    for _ in range(rounds):
+        fresh = [p for p in tree(pid) if p.pid not in stopped]
+        if not fresh:
+            break
+        signal_all(fresh, signal.SIGSTOP)
+        stopped.update((p.pid, p) for p in fresh)
+    return list(stopped.values())
+
+
 def signal_all(procs: Iterable[psutil.Process], sig: signal.Signals) -> int:
     """Send ``sig`` to each process; returns how many got it."""
     n = 0
