@@ -283,6 +283,7 @@ class JobRunner:
         idle_since: float | None = None
         stop_after: int | None = None  # batch id in flight when a stop was requested
         lease = getattr(self, "lease", None)
+        polled = time.monotonic()
         while True:
             if lease is not None and lease.lost.is_set():
                 query.stop()
@@ -292,7 +293,11 @@ class JobRunner:
                 exc = query.exception()
                 if exc is not None:
                     raise RuntimeError(str(exc))
+                self._still_holder()
                 return
+            if time.monotonic() - polled > 2.0:  # this process was paused (GC, SIGSTOP, VM freeze):
+                idle_since = None  # time without data is only counted while we watch
+            polled = time.monotonic()
             seen, new = self._record_progress(query, seen)
             if new and not recovered:
                 recovered = True
@@ -321,7 +326,15 @@ class JobRunner:
             if (job.stop_when_idle is not None and idle_since and not active
                     and now - idle_since >= job.stop_when_idle):
                 query.stop()
+                self._still_holder()
                 return
+
+    def _still_holder(self) -> None:
+        """FencedError if a newer driver took the lease: a driver that wakes from a pause to
+        find its query ended must not report the job finished (exit 0) for its successor."""
+        lease = getattr(self, "lease", None)
+        if lease is not None:
+            lease.check()
 
     def _record_progress(self, query, seen: int) -> tuple[int, bool]:
         """Log each executed batch once. Spark's idle reports ("no data", no ``addBatch``) carry
