@@ -78,7 +78,7 @@ def test_exactly_once_and_restart_continues_without_reprocessing(spark, tmp_path
 
 # The crash-window matrix (raise in each window, restart in-process) is in
 # tests/sinks/test_conformance.py, run against every sink; Delta under real driver SIGKILLs:
-# test_sigkill_after_commit... below, tests/cli/test_demo.py and tests/sources/test_kafka_end_to_end.py.
+# test_sigkill_after_commit... below, tests/cli/test_demo.py and tests/verify/test_verify_cli.py.
 
 
 def test_fingerprint_mismatch_stops_with_clear_error(spark, tmp_path):

@@ -280,9 +280,9 @@ def kafka_to_delta(tmp_path, bootstrap, topic, extra=None, transform=None) -> Jo
                restart_strategy=fixed_delay(attempts=3, delay=0), stop_when_idle=1.5)
 
 
-# Kafka -> Delta / PostgreSQL through real driver SIGKILLs and an executor loss, with a
-# restart after new input: tests/sources/test_kafka_end_to_end.py (it replaced an in-process
-# ``after_decide:raise`` variant here; that crash window of the Delta sink is in test_delta.py).
+# Kafka -> PostgreSQL through a real driver SIGKILL, an executor loss and a database restart:
+# tests/verify/test_verify_cli.py (the ``after_decide`` crash window of the Delta sink is in
+# test_delta.py and the conformance suite).
 
 
 # ---- (e) poison records ------------------------------------------------------------------------

@@ -76,18 +76,22 @@ def pg_verify():
     cluster.destroy()
 
 
-def test_postgres_survives_executor_kill_and_restarts(tmp_path, pg_verify):
+def test_kafka_to_postgres_survives_driver_and_executor_kills_and_restarts(tmp_path, pg_verify):
+    """Kafka source -> PostgreSQL two_phase on local-cluster (executors in their own JVMs)."""
     ctl = f"runuser -u {OS_USER} -- {PG_BIN}/pg_ctl -D {pg_verify.data}"
-    rc, report, out = _verify(
-        tmp_path, "--sink", "postgres-two_phase", "--postgres", pg_verify.dsn,
-        "--master", "local-cluster[2,1,1024]", "--no-standby",
-        "--faults", "executor_kill,pg_restart", "--count", "2", "--rate", "3000", "--events", "90000",
-        "--pg-stop", f"{ctl} -m {{mode}} -w -t 60 stop",
-        "--pg-start", f"{ctl} -l {pg_verify.logfile} -w -t 60 start",
-    )
+    with KafkaBroker() as broker:
+        rc, report, out = _verify(
+            tmp_path, "--source", "kafka", "--kafka", broker.bootstrap,
+            "--sink", "postgres-two_phase", "--postgres", pg_verify.dsn,
+            "--master", "local-cluster[2,1,1024]", "--no-standby",
+            "--faults", "driver_kill,executor_kill,pg_restart", "--count", "3", "--rate", "3000",
+            "--events", "60000", "--pg-stop", f"{ctl} -m {{mode}} -w -t 60 stop",
+            "--pg-start", f"{ctl} -l {pg_verify.logfile} -w -t 60 start",
+        )
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once" and not report["dangling"]
-    assert sorted(f["kind"] for f in report["fault_log"]) == ["executor_kill", "pg_restart"], out[-3000:]
+    kinds = sorted(f["kind"] for f in report["fault_log"])
+    assert kinds == ["driver_kill", "executor_kill", "pg_restart"], out[-3000:]
 
 
 def test_an_at_least_once_sink_is_caught(tmp_path):

@@ -39,7 +39,7 @@ def transform(df):
     if "value" in df.columns:  # Kafka: the generator wrote the payload; carry it unchanged
         parts = "split(CAST(value AS STRING), ',')"
         df = df.selectExpr(f"CAST({parts}[0] AS BIGINT) AS id", f"{parts}[1] AS payload",
-                           f"CAST({parts}[2] AS BIGINT) AS checksum")
+                           f"CAST({parts}[2] AS BIGINT) AS checksum").where("id >= 0")  # no sentinels
     else:
         df = df.selectExpr("id", f"{PAYLOAD_SQL} AS payload").selectExpr(
             "id", "payload", "crc32(payload) AS checksum")

@@ -88,3 +88,11 @@ def _produce(spec: VerifySpec, console: Console) -> None:
                     producer.poll(0.1)
         if producer.flush(60) or failed:
             raise ConfigError(f"verify: producing the input events failed: {failed[:1] or 'flush timed out'}")
+        # One sentinel (id -1, dropped by the job) per partition, in a batch of its own: some
+        # brokers (tansu) report the log end as the last *batch's* first offset + 1, which would
+        # hide the tail of the last batch of events from every consumer that asks for the end.
+        for p in range(spec.partitions):
+            producer.produce(spec.input_topic, b"-1,,", partition=p, on_delivery=on_delivery)
+            producer.flush(30)
+        if failed:
+            raise ConfigError(f"verify: producing the input events failed: {failed[:1]}")
