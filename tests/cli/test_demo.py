@@ -14,7 +14,7 @@ def test_demo_survives_driver_sigkill_exactly_once(tmp_path):
     workdir = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "onceflow", "demo", "--events", "300000", "--rate", "20000",
-         "--kills", "1", "--seed", "7", "--dir", str(workdir)],
+         "--kills", "1", "--seed", "7", "--any-time", "--dir", str(workdir)],
         capture_output=True, text=True, timeout=400,
     )
     out = proc.stdout + proc.stderr

@@ -18,13 +18,16 @@ from rich.console import Console
 @click.option("--dir", "workdir", default="onceflow-demo", show_default=True,
               help="Work directory (table, checkpoint, logs); wiped at start.")
 @click.option("--seed", type=int, default=None, help="Random seed for the kill moments.")
-def demo(events: int, rate: int, kills: int, workdir: str, seed: int | None) -> None:
+@click.option("--wait-standby/--any-time", default=True, show_default=True,
+              help="Kill once the warm standby driver is ready again (steady state, at most 30 s "
+              "after the driver came up), or as soon as the driver commits.")
+def demo(events: int, rate: int, kills: int, workdir: str, seed: int | None, wait_standby: bool) -> None:
     """Run the seeds/000 scenario: crash the driver, restart, prove exactly-once."""
     from onceflow.demo import DemoRunner, print_result
 
     console = Console()
     console.print(f"onceflow demo: {events:,} events at {rate:,}/s -> running count per key -> "
                   f"Delta table in {workdir}/events; {kills} driver SIGKILLs")
-    result = DemoRunner(workdir, events, rate, kills, seed, console).run()
+    result = DemoRunner(workdir, events, rate, kills, seed, console, wait_standby).run()
     print_result(result, console)
     sys.exit(0 if result.ok else 1)

@@ -47,9 +47,10 @@ class DemoRunner:
     """Runs the supervised demo job and kills its driver ``kills`` times at random moments."""
 
     def __init__(self, workdir: str, events: int, rate: int, kills: int, seed: int | None,
-                 console: Console | None = None):
+                 console: Console | None = None, wait_standby: bool = True):
         self.workdir = os.path.abspath(workdir)
         self.events, self.rate, self.kills = events, rate, kills
+        self.wait_standby = wait_standby
         self.rng = random.Random(seed)
         self.console = console or Console(stderr=True)
         self.ckpt = os.path.join(self.workdir, "checkpoint")
@@ -92,6 +93,7 @@ class DemoRunner:
         """Show progress; kill the driver at random moments while data still flows."""
         kill_times: list[float] = []
         next_kill: float | None = None
+        up_since: float | None = None
         columns = (TextColumn("[bold]committed"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
                    TextColumn("{task.fields[info]}"), TimeElapsedColumn())
         with Progress(*columns, console=self.console, transient=False) as progress:
@@ -105,9 +107,18 @@ class DemoRunner:
                     c["ts"] > starts[-1]["ts"] and (c["rows"] or c.get("replay"))
                     for c in self._events("sink_commit")
                 )
-                info = f"restarts {len(kill_times)}/{self.kills}" + ("" if up else " · (re)starting driver")
+                # Kill in steady state: once the warm standby is ready again (at most 30 s after
+                # the driver came up), as a production job spends nearly all its time.
+                if up and up_since is None:
+                    up_since = time.time()
+                elif not up:
+                    up_since = None
+                warm = any(e["ts"] > starts[-1]["ts"] for e in self._events("standby_ready")) if starts else False
+                steady = up and (not self.wait_standby or warm or time.time() - up_since > 30)
+                info = f"restarts {len(kill_times)}/{self.kills}" + (
+                    "" if steady else " · standby warming up" if up else " · (re)starting driver")
                 progress.update(task, completed=committed, info=info)
-                if len(kill_times) >= self.kills or not up or committed >= self.events * 0.95:
+                if len(kill_times) >= self.kills or not steady or committed >= self.events * 0.95:
                     next_kill = None
                     continue
                 if next_kill is None:
