@@ -50,6 +50,15 @@ def _driver(h: Harness) -> int:
     return pid
 
 
+def _kill_one(h: Harness, found: list, what: str) -> str:
+    """SIGKILL one of ``found``, chosen with the run's seeded RNG."""
+    if not found:
+        raise FaultMissed(f"no {what} is running")
+    victim = h.rng.choice(found)
+    victim.send_signal(signal.SIGKILL)
+    return f"SIGKILL {what} {victim.pid}"
+
+
 class DriverKill(Fault):
     name, help = "driver_kill", "SIGKILL the driver's process group (driver and JVM; the JVM's Python workers then exit)"
     kills_driver = True
@@ -81,24 +90,14 @@ class ExecutorKill(Fault):
         return None
 
     def inject(self, h: Harness) -> str:
-        found = procs.executors(_driver(h))
-        if not found:
-            raise FaultMissed("no executor JVM is running")
-        victim = h.rng.choice(found)
-        victim.send_signal(signal.SIGKILL)
-        return f"SIGKILL executor {victim.pid}"
+        return _kill_one(h, procs.executors(_driver(h)), "executor JVM")
 
 
 class WorkerKill(Fault):
     name, help = "worker_kill", "SIGKILL one Python worker (or its daemon when no task runs)"
 
     def inject(self, h: Harness) -> str:
-        found = procs.python_workers(_driver(h))
-        if not found:
-            raise FaultMissed("no Python worker is running")
-        victim = h.rng.choice(found)
-        victim.send_signal(signal.SIGKILL)
-        return f"SIGKILL Python worker {victim.pid}"
+        return _kill_one(h, procs.python_workers(_driver(h)), "Python worker")
 
 
 class Zombie(Fault):
