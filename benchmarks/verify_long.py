@@ -1,7 +1,9 @@
 """The long ``onceflow verify`` campaign: every sink, every fault kind, many faults.
 
-One command: ``python benchmarks/verify_long.py [--faults-per-run N] [--runs delta,pg2pc,...]
-[--seed S] [--out DIR]``.
+One command: ``python benchmarks/verify_long.py [--faults-per-run N] [--runs delta,pg2pc:30,...]
+[--seed S] [--out DIR]`` (``name:N`` gives one run its own fault count). Two lanes can run side by
+side into one ``--out`` (each starts its own PostgreSQL and broker); ``--summary DIR`` prints the
+table over every report in DIR.
 
 It starts a throwaway PostgreSQL 15 (so ``pg_restart``/``pg_down`` can stop and start it) and a
 tansu broker, then runs ``onceflow verify`` once per pipeline below with every fault that
@@ -43,7 +45,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=2026)
     ap.add_argument("--rate", type=int, default=4000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--summary", metavar="DIR", help="only print the table of the reports in DIR")
     args = ap.parse_args()
+    if args.summary:
+        names = sorted(f[:-5] for f in os.listdir(args.summary) if f.endswith(".json"))
+        print_table([(n, 0, json.load(open(os.path.join(args.summary, f"{n}.json")))) for n in names], args.summary)
+        return
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     out = args.out or tempfile.mkdtemp(prefix="onceflow-verify-long-")
     os.makedirs(out, exist_ok=True)
@@ -52,12 +59,13 @@ def main() -> None:
     ctl = f"runuser -u {OS_USER} -- {PG_BIN}/pg_ctl -D {pg.data}"
     rows = []
     try:
-        for i, name in enumerate(args.runs.split(",")):
+        for name, _, count in (r.partition(":") for r in args.runs.split(",")):
+            i = list(RUNS).index(name)
             source, sink, extra, master = RUNS[name]
             faults = PROCESS + extra
             report = os.path.join(out, f"{name}.json")
             cmd = [sys.executable, "-m", "onceflow", "verify", "--source", source, "--sink", sink,
-                   "--faults", ",".join(faults), "--count", str(args.faults_per_run), "--seed", str(args.seed + i),
+                   "--faults", ",".join(faults), "--count", count or str(args.faults_per_run), "--seed", str(args.seed + i),
                    "--rate", str(args.rate), "--master", master, "--dir", os.path.join(out, name),
                    "--json", report, "--chart", os.path.join(out, f"{name}.png"), "--outage-s", "22",
                    "--postgres", pg.dsn, "--kafka", broker.bootstrap, "--any-time",
@@ -69,6 +77,7 @@ def main() -> None:
             rc = subprocess.run(cmd).returncode
             r = json.load(open(report)) if os.path.exists(report) else {"verdict": f"no report (exit {rc})"}
             rows.append((name, rc, r))
+            print(f"== {name}: exit {rc}, verdict {r.get('verdict')}", flush=True)
     finally:
         broker.stop()
         pg.destroy()
