@@ -47,7 +47,7 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
 @click.option("--kafka", metavar="BOOTSTRAP", help="Kafka bootstrap servers for a Kafka source or sink.")
 @click.option("--gap", default="2-6", show_default=True, callback=_gap, metavar="MIN-MAX",
               help="Seconds between the job committing again and the next fault.")
-@click.option("--outage-s", default=25.0, show_default=True, type=click.FloatRange(0),
+@click.option("--outage-s", default=15.0, show_default=True, type=click.FloatRange(0),
               help="How long pg_down, disk_full and slow_sink last.")
 @click.option("--slow-s", default=3.0, show_default=True, type=click.FloatRange(0),
               help="Extra seconds per commit during slow_sink.")
