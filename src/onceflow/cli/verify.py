@@ -91,10 +91,8 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
         if os.path.ismount(os.path.join(workdir, "checkpoint-fs")):
             subprocess.run(["umount", "-l", os.path.join(workdir, "checkpoint-fs")], capture_output=True)
         shutil.rmtree(workdir)
-    if events is None:  # enough stream for the schedule: each kind's expected time, on average
-        known = [FAULTS[k] for k in kinds if k in FAULTS]
-        per_fault = sum(f.budget_s(outage_s, lease_ttl) for f in known) / len(known) if known else 15.0
-        events = int(rate * max(30.0, 30.0 + count * (per_fault + sum(gap) / 2)))
+    if events is None:
+        events = rate * max(30, count * 15)
     spec = VerifySpec(workdir=workdir, name=uuid.uuid4().hex[:8], source=source, sink=sink, events=events,
                       rate=rate, partitions=partitions, master=master, postgres=postgres, kafka=kafka)
     options = Options(faults=kinds, count=count if kinds else 0, seed=seed, gap=gap, outage_s=outage_s,

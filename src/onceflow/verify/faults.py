@@ -29,16 +29,6 @@ class Fault(ABC):
     help: ClassVar[str]
     #: the fault ends the active driver (its next commit comes from another process)
     kills_driver: ClassVar[bool] = False
-    #: the fault lasts --outage-s (an outage, a slow sink, a full disk)
-    lasts_outage: ClassVar[bool] = False
-
-    def budget_s(self, outage_s: float, lease_ttl_s: float) -> float:
-        """Seconds of stream this fault and its recovery are expected to take (a cold restart
-        when it ends the driver), so the default event count outlasts the schedule."""
-        if self.kills_driver:
-            return 25.0
-        return outage_s + 10.0 if self.lasts_outage else 8.0
-
     def unavailable(self, h: Harness) -> str | None:
         """Why this fault cannot run in this setup, or None."""
         return None
@@ -117,9 +107,6 @@ class Zombie(Fault):
     name, help = "zombie", "SIGSTOP the job's host past the lease; a successor takes over; SIGCONT"
     kills_driver = True
 
-    def budget_s(self, outage_s: float, lease_ttl_s: float) -> float:
-        return 35.0 + 2 * lease_ttl_s
-
     def unavailable(self, h: Harness) -> str | None:
         if shutil.which("unshare") is None or subprocess.run(
                 ["unshare", "--uts", "true"], capture_output=True).returncode != 0:
@@ -182,7 +169,6 @@ class PgRestart(_Command):
 
 class PgDown(_Command):
     name, help = "pg_down", "PostgreSQL down for longer than the sink's commit deadline"
-    lasts_outage = True
     stop_opt, start_opt = "pg_stop", "pg_start"
 
     def inject(self, h: Harness) -> str:
@@ -211,7 +197,6 @@ class DiskFull(Fault):
     fail with ENOSPC, hold it full, then free the space."""
 
     name, help = "disk_full", "fill the checkpoint filesystem, hold it full, free it"
-    lasts_outage = True
 
     def unavailable(self, h: Harness) -> str | None:
         if not h.options.checkpoint_fs:
@@ -237,7 +222,6 @@ class DiskFull(Fault):
 
 class SlowSink(Fault):
     name, help = "slow_sink", "every commit waits --slow-s seconds for --outage-s seconds"
-    lasts_outage = True
 
     def inject(self, h: Harness) -> str:
         path = h.slow_file
