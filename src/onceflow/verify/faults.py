@@ -29,6 +29,7 @@ class Fault(ABC):
     help: ClassVar[str]
     #: the fault ends the active driver (its next commit comes from another process)
     kills_driver: ClassVar[bool] = False
+
     def unavailable(self, h: Harness) -> str | None:
         """Why this fault cannot run in this setup, or None."""
         return None
