@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=4000)
     ap.add_argument("--events-per-fault", type=int, default=28_000,
                     help="stream per fault; the sequence clock only runs while a driver runs (about 12k-21k used)")
+    ap.add_argument("--recovery-timeout", default="300",
+                    help="verify's --recovery-timeout (a cold start on a loaded 2-core machine can take minutes)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--summary", metavar="DIR", help="only print the table of the reports in DIR")
     args = ap.parse_args()
@@ -73,7 +75,7 @@ def main() -> None:
             events = [] if source == "kafka" else ["--events", str(20 * args.rate + n * args.events_per_fault)]
             report = os.path.join(out, f"{name}.json")
             cmd = [sys.executable, "-m", "onceflow", "verify", "--source", source, "--sink", sink,
-                   "--faults", ",".join(faults), "--count", str(n), *events, "--gap", "1-3", "--seed", str(args.seed + i),
+                   "--faults", ",".join(faults), "--count", str(n), *events, "--gap", "1-3", "--recovery-timeout", args.recovery_timeout, "--seed", str(args.seed + i),
                    "--rate", str(args.rate), "--master", master, "--dir", os.path.join(out, name),
                    "--json", report, "--chart", os.path.join(out, f"{name}.png"), "--outage-s", str(OUTAGE_S),
                    "--postgres", pg.dsn, "--kafka", broker.bootstrap, "--any-time",

@@ -34,6 +34,7 @@ def test_a_seed_repeats_the_schedule(tmp_path):
     (["--faults", "executor_kill"], "--master 'local-cluster[2,1,1024]'"),
     (["--faults", "disk_full"], "needs --checkpoint-fs SIZE"),
     (["--gap", "5-2"], "need 0 <= MIN <= MAX"),
+    (["--recovery-timeout", "5"], "'--recovery-timeout': 5.0 is not in the range x>=10"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, args, message):
     result = CliRunner().invoke(main, ["verify", "--dir", str(tmp_path / "w"), *args])

@@ -60,6 +60,9 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
               "only); needed by disk_full.")
 @click.option("--lease-ttl", default=6.0, show_default=True, type=click.FloatRange(1),
               help="Driver lease TTL for the run; a zombie pause lasts at least this long.")
+@click.option("--recovery-timeout", default=180.0, show_default=True, type=click.FloatRange(10),
+              help="Seconds the job may take to commit again after a fault (or after its start) "
+              "before verify reports an anomaly; raise it on a loaded machine.")
 @click.option("--standby/--no-standby", default=True, show_default=True,
               help="Run with onceflow run's warm standby driver (the default of onceflow run).")
 @click.option("--wait-standby/--any-time", default=True, show_default=True,
@@ -71,7 +74,7 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
 @click.option("--chart", "chart_out", metavar="FILE.png", help="Chart path (default: DIR/verify.png).")
 def verify(source, sink, faults, count, seed, events, rate, partitions, master, postgres, kafka, gap,
            outage_s, slow_s, pg_stop, pg_start, broker_stop, broker_start, checkpoint_fs, lease_ttl,
-           standby, wait_standby, workdir, json_out, chart_out) -> None:
+           recovery_timeout, standby, wait_standby, workdir, json_out, chart_out) -> None:
     """Run a pipeline of checksummed event ids under faults; check the sink independently.
 
     Exit status 0 only when every event was committed exactly once with its own payload and
@@ -98,6 +101,7 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     options = Options(faults=kinds, count=count if kinds else 0, seed=seed, gap=gap, outage_s=outage_s,
                       slow_s=slow_s, pg_stop=pg_stop, pg_start=pg_start, broker_stop=broker_stop,
                       broker_start=broker_start, checkpoint_fs=checkpoint_fs, lease_ttl_s=lease_ttl,
+                      recovery_timeout=recovery_timeout,
                       standby=standby, wait_standby=wait_standby)
     result = Harness(spec, options, console).run()
     report.print_report(result, console)

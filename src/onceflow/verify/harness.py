@@ -280,7 +280,8 @@ class Harness:
                 return False
             time.sleep(0.3)
         self.anomalies.append(f"no batch committed within {self.options.recovery_timeout:.0f}s of "
-                              "the previous fault")
+                              + ("the job's start" if last is None else "the previous fault")
+                              + " (--recovery-timeout)")
         return False
 
     def _finish(self) -> int | None:
