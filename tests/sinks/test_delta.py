@@ -315,3 +315,49 @@ def test_executor_lost_after_its_precommit(tmp_path):
     assert parquet_files(tmp_path / "table") == referenced(tmp_path / "table"), "orphan files left"
     events = list(EventLog(str(tmp_path / "ckpt")).read())
     assert not any(e["event"] == "restart" for e in events), "the query failed instead of continuing"
+
+
+def test_files_a_woken_zombie_writes_late_are_removed_by_the_successors_next_commit(tmp_path):
+    """A paused driver's task finishes its Parquet file after a successor took over, recovered
+    and decided that batch. The successor's next commit removes the late file (no Spark: the
+    sink's own classes in that order); files an older epoch legitimately committed stay."""
+    import uuid
+
+    import pyarrow.parquet as pq
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from onceflow.sinks.base import Decision
+    from onceflow.sinks.delta import DeltaDataSource
+
+    path = tmp_path / "table"
+    path.mkdir()
+    lineage = str(uuid.uuid4())
+    schema = StructType([StructField("id", LongType())])
+
+    def task_file(epoch: int, batch: int, ids: list[int]) -> dict:
+        name = f"part-of-{lineage}-e{epoch}-b{batch:010d}-p00000-a0-{uuid.uuid4().hex[:12]}.parquet"
+        pq.write_table(pa.table({"id": pa.array(ids, pa.int64())}), path / name)
+        return {"path": name, "size": (path / name).stat().st_size, "rows": len(ids), "mtime": 0}
+
+    zombie = DeltaDataSource({"path": str(path)})
+    zombie.write_schema = schema
+    old = zombie.open(lineage)
+    first = task_file(old, 0, [0, 1])
+    zombie.decide(Decision(lineage, 0, "fp-0", [first], old), schema, False)
+    zombie.commit(Decision(lineage, 0, "fp-0", [first], old))
+
+    successor = DeltaDataSource({"path": str(path)})
+    successor.write_schema = schema
+    new = successor.open(lineage)
+    assert new > old
+    replayed = task_file(new, 1, [2, 3])
+    successor.decide(Decision(lineage, 1, "fp-1", [replayed], new), schema, False)
+    successor.commit(Decision(lineage, 1, "fp-1", [replayed], new))
+    late = task_file(old, 1, [2, 3])  # the woken zombie's task finishes batch 1
+    nxt = task_file(new, 2, [4, 5])
+    successor.decide(Decision(lineage, 2, "fp-2", [nxt], new), schema, False)
+    successor.commit(Decision(lineage, 2, "fp-2", [nxt], new))
+
+    assert not (path / late["path"]).exists(), "the zombie's late file was left behind"
+    assert (path / first["path"]).exists() and (path / replayed["path"]).exists()
+    assert sorted(DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == [0, 1, 2, 3, 4, 5]

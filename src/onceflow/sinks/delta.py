@@ -282,11 +282,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         and stored.fingerprint == decision.fingerprint
                         and sorted(h["path"] for h in stored.handles)
                         == sorted(h["path"] for h in decision.handles)):
+                    self._decided_here.add(decision.batch_id)
                     return  # our own earlier attempt landed
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current,
                              f"{what} (already decided by another commit)")
             try:
                 table.create_write_transaction(adds, mode, arrow_schema, commit_properties=props)
+                self._decided_here.add(decision.batch_id)
                 return
             except CommitFailedError:
                 continue
@@ -296,20 +298,35 @@ class DeltaDataSource(TwoPhaseCommitSink):
         raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
                         f"attempts to commit batch {decision.batch_id}; retried by the restart strategy")
 
+    @property
+    def _decided_here(self) -> set[int]:
+        """Batches this driver decided (under its epoch): every file of theirs from an older
+        epoch is an orphan, since the decision lists only this epoch's files."""
+        if not hasattr(self, "_decided_by_me"):
+            self._decided_by_me: set[int] = set()
+        return self._decided_by_me
+
     def commit(self, decision: Decision) -> None:
         """Visible since :meth:`decide`; here only remove files of losing attempts.
 
         Never deletes a file the decision lists, nor one written under a newer epoch than this
         driver's; when the decision's file list is unknown (its log entry was cleaned up)
-        nothing is deleted at all.
+        nothing is deleted at all. Also removes files that an older epoch's tasks wrote late
+        (a paused driver woken after this one took over) for any batch this driver decided:
+        :meth:`recover` ran before they appeared and only looks at undecided batches.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
             return
         keep = {h["path"] for h in decision.handles}
-        mine = self.epoch
-        self._remove_files(decision.lineage, lambda b, e, name: b == decision.batch_id and name not in keep
-                           and (mine is None or e <= mine))
+        mine, decided_here = self.epoch, self._decided_here
+
+        def losing(b: int, e: int, name: str) -> bool:
+            if b == decision.batch_id:
+                return name not in keep and (mine is None or e <= mine)
+            return mine is not None and e < mine and b in decided_here
+
+        self._remove_files(decision.lineage, losing)
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         fs, path = self._fs()
