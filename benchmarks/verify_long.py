@@ -55,7 +55,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.summary:
         names = sorted(f[:-5] for f in os.listdir(args.summary) if f.endswith(".json"))
-        print_table([(n, 0, json.load(open(os.path.join(args.summary, f"{n}.json")))) for n in names], args.summary)
+        print_table([(n, None, json.load(open(os.path.join(args.summary, f"{n}.json")))) for n in names], args.summary)
         return
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     out = args.out or tempfile.mkdtemp(prefix="onceflow-verify-long-")
@@ -94,7 +94,7 @@ def main() -> None:
     print_table(rows, out)
 
 
-def print_table(rows: list[tuple[str, int, dict]], out: str) -> None:
+def print_table(rows: list[tuple[str, int | None, dict]], out: str) -> None:
     kinds: Counter = Counter()
     recov: list[float] = []
     print(f"\n{'run':14} {'faults':>6} {'events':>9} {'dup':>5} {'miss':>5} {'corr':>5} {'dangl':>5} "
@@ -105,7 +105,7 @@ def print_table(rows: list[tuple[str, int, dict]], out: str) -> None:
         recov += [f["recovery_s"] for f in log if f.get("recovery_s") is not None]
         print(f"{name:14} {len(log):>6} {r.get('events_generated', 0):>9,} {r.get('duplicates', '-'):>5} "
               f"{r.get('missing', '-'):>5} {r.get('corrupted_payloads', '-'):>5} {len(r.get('dangling', [])):>5} "
-              f"{str(r.get('recovery_s_median')):>8} {str(r.get('recovery_s_max')):>8}  {r.get('verdict')} (exit {rc})")
+              f"{str(r.get('recovery_s_median')):>8} {str(r.get('recovery_s_max')):>8}  {r.get('verdict')}" + ("" if rc is None else f" (exit {rc})"))
         for a in r.get("anomalies", []):
             print(f"    anomaly: {a}")
     print(f"\nfaults by kind: {dict(sorted(kinds.items()))}; total {sum(kinds.values())}")
