@@ -154,6 +154,14 @@ class _Command(Fault):
         if res.returncode != 0:
             raise ConfigError(f"verify: {cmd!r} failed ({res.returncode}): {(res.stderr or res.stdout).strip()[-300:]}")
 
+    def _bounce(self, h: Harness, mode: str = "fast", hold_s: float = 0.0) -> None:
+        """Stop, stay down ``hold_s``, start again (also when the stop command failed)."""
+        try:
+            self._run(h, self.stop_opt, mode)
+            time.sleep(hold_s)
+        finally:
+            self._run(h, self.start_opt)
+
 
 class PgRestart(_Command):
     name, help = "pg_restart", "restart PostgreSQL (fast or immediate shutdown, chosen at random)"
@@ -161,10 +169,7 @@ class PgRestart(_Command):
 
     def inject(self, h: Harness) -> str:
         mode = h.rng.choice(["fast", "immediate"])
-        try:
-            self._run(h, self.stop_opt, mode)
-        finally:
-            self._run(h, self.start_opt)
+        self._bounce(h, mode)
         return f"PostgreSQL {mode} shutdown and restart"
 
 
@@ -173,11 +178,7 @@ class PgDown(_Command):
     stop_opt, start_opt = "pg_stop", "pg_start"
 
     def inject(self, h: Harness) -> str:
-        self._run(h, self.stop_opt, "fast")
-        try:
-            time.sleep(h.options.outage_s)
-        finally:
-            self._run(h, self.start_opt)
+        self._bounce(h, hold_s=h.options.outage_s)
         return f"PostgreSQL down {h.options.outage_s:.0f}s"
 
 
@@ -186,10 +187,7 @@ class BrokerRestart(_Command):
     stop_opt, start_opt = "broker_stop", "broker_start"
 
     def inject(self, h: Harness) -> str:
-        try:
-            self._run(h, self.stop_opt)
-        finally:
-            self._run(h, self.start_opt)
+        self._bounce(h)
         return "broker restarted"
 
 
