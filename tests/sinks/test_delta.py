@@ -355,8 +355,10 @@ def test_files_a_woken_zombie_writes_late_are_removed_by_the_successors_next_com
     successor.commit(Decision(lineage, 1, "fp-1", [replayed], new))
     late = task_file(old, 1, [2, 3])  # the woken zombie's task finishes batch 1
     nxt = task_file(new, 2, [4, 5])
-    successor.decide(Decision(lineage, 2, "fp-2", [nxt], new), schema, False)
-    successor.commit(Decision(lineage, 2, "fp-2", [nxt], new))
+    again = DeltaDataSource({"path": str(path), "epoch": str(new)})  # Spark: a new object per commit
+    again.write_schema = schema
+    again.decide(Decision(lineage, 2, "fp-2", [nxt], new), schema, False)
+    again.commit(Decision(lineage, 2, "fp-2", [nxt], new))
 
     assert not (path / late["path"]).exists(), "the zombie's late file was left behind"
     assert (path / first["path"]).exists() and (path / replayed["path"]).exists()

@@ -27,6 +27,7 @@ import json
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
 
+_DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
+_DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
 _FILE = re.compile(
     r"^part-of-(?P<lineage>[0-9a-f-]{36})(?:-e(?P<epoch>\d+))?-b(?P<batch>\d+)-p(?P<part>\d+)"
     r"-a(?P<att>\d+)-[0-9a-f]+\.parquet$"
@@ -282,13 +285,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         and stored.fingerprint == decision.fingerprint
                         and sorted(h["path"] for h in stored.handles)
                         == sorted(h["path"] for h in decision.handles)):
-                    self._decided_here.add(decision.batch_id)
+                    self._remember(decision)
                     return  # our own earlier attempt landed
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current,
                              f"{what} (already decided by another commit)")
             try:
                 table.create_write_transaction(adds, mode, arrow_schema, commit_properties=props)
-                self._decided_here.add(decision.batch_id)
+                self._remember(decision)
                 return
             except CommitFailedError:
                 continue
@@ -298,13 +301,17 @@ class DeltaDataSource(TwoPhaseCommitSink):
         raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
                         f"attempts to commit batch {decision.batch_id}; retried by the restart strategy")
 
-    @property
-    def _decided_here(self) -> set[int]:
-        """Batches this driver decided (under its epoch): every file of theirs from an older
-        epoch is an orphan, since the decision lists only this epoch's files."""
-        if not hasattr(self, "_decided_by_me"):
-            self._decided_by_me: set[int] = set()
-        return self._decided_by_me
+    def _decided_here(self, lineage: str) -> OrderedDict[int, frozenset[str]]:
+        """The files of the last :data:`_DECIDED_KEPT` batches decided under this driver's
+        epoch in this process. A file of an older epoch for such a batch that the decision does
+        not list is an orphan. Kept per process: Spark makes a new data source per commit."""
+        return _DECIDED.setdefault((self.table_url, lineage, self.epoch), OrderedDict())
+
+    def _remember(self, decision: Decision) -> None:
+        decided = self._decided_here(decision.lineage)
+        decided[decision.batch_id] = frozenset(h["path"] for h in decision.handles)
+        while len(decided) > _DECIDED_KEPT:
+            decided.popitem(last=False)
 
     def commit(self, decision: Decision) -> None:
         """Visible since :meth:`decide`; here only remove files of losing attempts.
@@ -312,19 +319,20 @@ class DeltaDataSource(TwoPhaseCommitSink):
         Never deletes a file the decision lists, nor one written under a newer epoch than this
         driver's; when the decision's file list is unknown (its log entry was cleaned up)
         nothing is deleted at all. Also removes files that an older epoch's tasks wrote late
-        (a paused driver woken after this one took over) for any batch this driver decided:
+        (a paused driver woken after this one took over) for any of the last 1000 batches this
+        driver decided:
         :meth:`recover` ran before they appeared and only looks at undecided batches.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
             return
         keep = {h["path"] for h in decision.handles}
-        mine, decided_here = self.epoch, self._decided_here
+        mine, decided_here = self.epoch, self._decided_here(decision.lineage)
 
         def losing(b: int, e: int, name: str) -> bool:
             if b == decision.batch_id:
                 return name not in keep and (mine is None or e <= mine)
-            return mine is not None and e < mine and b in decided_here
+            return mine is not None and e < mine and b in decided_here and name not in decided_here[b]
 
         self._remove_files(decision.lineage, losing)
 
