@@ -320,8 +320,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
         driver's; when the decision's file list is unknown (its log entry was cleaned up)
         nothing is deleted at all. Also removes files that an older epoch's tasks wrote late
         (a paused driver woken after this one took over) for any of the last 1000 batches this
-        driver decided:
-        :meth:`recover` ran before they appeared and only looks at undecided batches.
+        driver decided: :meth:`recover` ran before they appeared and only looks at undecided
+        batches.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
