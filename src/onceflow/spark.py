@@ -36,6 +36,12 @@ def prepare_environment() -> None:
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
+    # Spark's Python processes import pyspark from its installed package, not from the zip
+    # (see onceflow/runtime/sitepath/sitecustomize.py).
+    sitepath = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runtime", "sitepath")
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if sitepath not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([sitepath, *paths])
 
 
 def get_spark(master: str = "local[2]", app_name: str = "onceflow", conf: dict | None = None):
@@ -54,7 +60,14 @@ def get_spark(master: str = "local[2]", app_name: str = "onceflow", conf: dict |
         .config("spark.sql.streaming.stopTimeout", "120s")
         .config("spark.python.worker.reuse", "true")
     )
-    for key, value in (conf or {}).items():
+    conf = dict(conf or {})
+    from onceflow.runtime import jvm_cache
+
+    cds = jvm_cache.java_options()  # the driver JVM maps its classes from an archive
+    if cds:
+        user = conf.get("spark.driver.extraJavaOptions", "")
+        conf["spark.driver.extraJavaOptions"] = f"{cds} {user}".strip()  # the user's options win
+    for key, value in conf.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("ONCEFLOW_SPARK_LOG_LEVEL", "ERROR"))

@@ -46,24 +46,41 @@ def _modules(job: Job) -> list[str]:
     return sorted(mods)
 
 
+def _count(key, frames, state):
+    """The warm-up query's stateful step: a running count per key (Spark's state store)."""
+    import pandas as pd
+
+    seen = state.get[0] if state.exists else 0
+    batch = pd.concat(list(frames))
+    state.update((seen + len(batch),))
+    yield batch[["id"]]
+
+
+def warm_query(spark, tmp: str):
+    """Start one tiny streaming query that touches what a job's first batch needs: onceflow's
+    sequence source, a shuffle with ``applyInPandasWithState`` (the session's state store) and
+    onceflow's Delta sink (Spark's Python daemons for planning, writers, the streaming sink
+    runner; they outlive the query and fork the next query's processes warm)."""
+    from pyspark.sql.streaming.state import GroupStateTimeout
+
+    df = (spark.readStream.format("onceflow-sequence").option("total", 4).option("partitions", 2).load()
+          .groupBy("key").applyInPandasWithState(_count, "id long", "n long", "append", GroupStateTimeout.NoTimeout))
+    return (df.writeStream.format("onceflow-delta").option("path", f"{tmp}/table")
+            .option("test_crash_at", "none")  # fault injection (tests) is for the real job
+            .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
+
+
 def warm_up(spark, job: Job, go: str | None = None) -> float:
     """Start what the first batch of a takeover would otherwise wait for; returns seconds.
 
-    One streaming micro-batch (onceflow's sequence source into a throwaway Delta table: JVM
-    streaming classes, and the Python daemons Spark keeps per worker kind: source planning,
-    writers, the streaming sink runner), then one task per core that imports the job's sink
+    One streaming micro-batch (:func:`warm_query`), then one task per core that imports the job's sink
     and source modules in the reused Python workers. Once ``go`` exists (promoted while still
     warming up), the rest is skipped: the job itself is more urgent."""
     started = time.monotonic()
     modules = _modules(job)
     tmp = tempfile.mkdtemp(prefix="onceflow-standby-")
     try:
-        # A Python sink, so Spark starts its daemons for the streaming sink runner and the
-        # writers too (they outlive the query and fork the next query's processes warm).
-        q = (spark.readStream.format("onceflow-sequence").option("total", 4).option("partitions", 2)
-             .load().writeStream.format("onceflow-delta").option("path", f"{tmp}/table")
-             .option("test_crash_at", "none")  # fault injection (tests) is for the real job
-             .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
+        q = warm_query(spark, tmp)
         deadline = time.monotonic() + 120
         while not q.awaitTermination(0.1) and time.monotonic() < deadline:
             if go and os.path.exists(go):

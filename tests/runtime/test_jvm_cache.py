@@ -1,0 +1,59 @@
+"""The driver JVM's class-data-sharing archive: built once in the background, then used."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from onceflow.runtime import jvm_cache
+
+
+def _env(cache: str, enabled: bool) -> dict:
+    return {**os.environ, "ONCEFLOW_JVM_CACHE_DIR": cache, "ONCEFLOW_JVM_CACHE": "1" if enabled else "0"}
+
+
+@pytest.mark.slow
+def test_the_helper_builds_an_archive_that_the_next_driver_jvm_maps(tmp_path):
+    cache = str(tmp_path / "cache")
+    env = _env(cache, enabled=False)
+    path = subprocess.run([sys.executable, "-c", "from onceflow.runtime import jvm_cache; print(jvm_cache.archive_path())"],
+                          env=env, capture_output=True, text=True, check=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "onceflow.runtime.jvm_cache", path], env=env, timeout=240, check=True,
+                   capture_output=True)
+    assert os.path.getsize(path) > 10_000_000
+    assert os.listdir(cache) == [os.path.basename(path)]  # no partial archive, no lock left
+
+    # -Xshare:on (the user's option wins over onceflow's -Xshare:auto): the JVM refuses to
+    # start unless it maps the archive.
+    code = ("from onceflow.spark import get_spark\n"
+            "s = get_spark('local[1]', 'cds', {'spark.driver.extraJavaOptions': '-Xshare:on'})\n"
+            "print(s.range(3).count(), s.sparkContext.getConf().get('spark.driver.extraJavaOptions'))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=_env(cache, enabled=True), timeout=240,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("3 ") and f"-XX:SharedArchiveFile={path} " in out.stdout, out.stdout
+    assert out.stdout.rstrip().endswith("-Xshare:on"), out.stdout
+
+
+def test_without_an_archive_one_build_starts_and_the_driver_starts_without_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ONCEFLOW_JVM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("ONCEFLOW_JVM_CACHE", "1")
+    path = jvm_cache.archive_path()
+    os.makedirs(tmp_path, exist_ok=True)
+    open(f"{path}.building", "w").close()  # another driver's helper is at work
+    assert jvm_cache.java_options() == ""
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path) + ".building"]
+
+    old = time.time() - 3600  # a helper that died long ago does not block a new build forever
+    os.utime(f"{path}.building", (old, old))
+    monkeypatch.setenv("ONCEFLOW_JVM_CACHE", "0")
+    assert jvm_cache.java_options() == ""  # switched off: no build either
+    assert os.path.getmtime(f"{path}.building") == pytest.approx(old)
+
+    open(path, "wb").close()
+    monkeypatch.setenv("ONCEFLOW_JVM_CACHE", "1")
+    assert jvm_cache.java_options().startswith(f"-XX:SharedArchiveFile={path} ")
