@@ -88,14 +88,16 @@ def restart_table(recent: Sequence[Restart]):
     """Restarts with their phases, in seconds after the failure was seen (or the kill)."""
     from rich.table import Table
 
-    table = Table("failure seen", "scope", "cause", "driver ready", "sink recovered", "query started",
-                  "first batch planned", "first commit", "standby",
-                  title="restarts (seconds after the failure was seen)")
+    table = Table("at", "restart", "cause", "ready", "sink", "query", "planned", "commit",
+                  title="restarts (seconds after the failure was seen)",
+                  caption="ready: the driver holds the lease and its SparkSession; sink: recovered; "
+                          "query: started; planned: first batch planned; commit: first batch committed")
 
     def sec(v: float | None) -> str:
         return "" if v is None else f"{v:.1f}"
     for r in recent:
-        table.add_row(time.strftime("%H:%M:%S", time.localtime(r.at)), r.scope, r.cause[:40],
+        how = "in-process" if r.scope == "query" else "standby" if r.standby else "cold"
+        table.add_row(time.strftime("%H:%M:%S", time.localtime(r.at)), how, r.cause[:40],
                       sec(r.driver_ready), sec(r.sink_recovered), sec(r.query_started),
-                      sec(r.first_planned), sec(r.first_commit), "yes" if r.standby else "")
+                      sec(r.first_planned), sec(r.first_commit))
     return table

@@ -35,10 +35,10 @@ def transform(df):
 
 
 def source(spark):
-    rate = int(os.environ.get("ONCEFLOW_DEMO_RATE", 50_000))
+    rate = int(os.environ.get("ONCEFLOW_DEMO_RATE", 100_000))
     return (
         spark.readStream.format("onceflow-sequence")
-        .option("total", int(os.environ.get("ONCEFLOW_DEMO_EVENTS", 2_500_000)))
+        .option("total", int(os.environ.get("ONCEFLOW_DEMO_EVENTS", 3_000_000)))
         .option("rows_per_second", rate)
         .option("max_rows_per_batch", rate)  # at most one second's worth per batch
         .option("keys", 16)
