@@ -132,10 +132,15 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     try:
         wait_for_commits(ckpt2, 4, sup)  # batch N-1 and N restored, two new ones
         sp2 = str(tmp_path / "sp2")
-        stopper = onceflow("stop", "--savepoint", "sp2", ckpt2.url, env=env, cwd=str(tmp_path))
+        # From another host (its own host name; no signal can reach the driver): the driver
+        # polls the stop request that 'onceflow stop' leaves in the checkpoint.
+        stopper = subprocess.Popen(
+            ["unshare", "--uts", "sh", "-c", 'hostname ops-laptop && exec "$@"', "stop",
+             sys.executable, "-m", "onceflow", "stop", "--savepoint", "sp2", ckpt2.url],
+            env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = stopper.communicate(timeout=180)
         assert stopper.returncode == 0, err
-        assert f"savepoint {sp2}: job cli-counts" in out
+        assert f"savepoint {sp2}: job cli-counts" in out and "the driver on host" in err, (out, err)
         assert sup.wait(timeout=60) == 0
     finally:
         if sup.poll() is None:
@@ -229,7 +234,7 @@ def test_stop_checks_host_and_start_time_before_signalling(tmp_path):
     events = EventLog(ckpt)
     events.append("process_start", supervisor_pid=me, host="elsewhere.example", supervisor_started=1, scope="process")
     r = CliRunner().invoke(main, ["stop", ckpt])
-    assert r.exit_code == 2 and "supervised on host elsewhere.example" in r.output and "run 'onceflow stop' there" in r.output
+    assert r.exit_code == 2 and "last supervised on host elsewhere.example" in r.output and "run 'onceflow stop' there" in r.output
     events.append("process_start", supervisor_pid=me, host=socket.gethostname(),
                   supervisor_started=process_start_time(me) - 1, scope="process")  # pid reused
     r = CliRunner().invoke(main, ["stop", ckpt])

@@ -57,8 +57,41 @@ def watch_jvm(interval: float = 0.5) -> threading.Thread:
     return thread
 
 
+def watch_stop_request(checkpoint_url: str, stop: threading.Event, waiting: list[bool],
+                       done: threading.Event, poll_s: float = 1.0) -> threading.Thread:
+    """Set ``stop`` once ``onceflow stop`` (run on any host) left a request in the checkpoint.
+
+    A waiting standby ignores it (it is not running the job); the request stays for the
+    driver that runs it, which consumes it when it stops (savepoint or not, as requested)."""
+    from onceflow.savepoint.operations import stop_requested
+
+    log = logging.getLogger("onceflow.driver")
+
+    def run() -> None:
+        while not stop.wait(poll_s) and not done.is_set():
+            if waiting[0]:
+                continue
+            try:
+                if stop_requested(checkpoint_url):
+                    log.info("stop requested in %s: stopping after the in-flight batch", checkpoint_url)
+                    stop.set()
+            except Exception as e:  # noqa: BLE001 - an unreachable checkpoint: try again next time
+                log.debug("could not read the stop request: %s", e)
+
+    thread = threading.Thread(target=run, name="onceflow-stop-request", daemon=True)
+    thread.start()
+    return thread
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    done = threading.Event()  # ends the stop-request watcher when the driver returns (in-process use)
+    try:
+        return _main(sys.argv[1:] if argv is None else argv, done)
+    finally:
+        done.set()
+
+
+def _main(argv: list[str], done: threading.Event) -> int:
     if len(argv) != 1:
         print("usage: python -m onceflow.runtime.driver path/to/job.py[:name]", file=sys.stderr)
         return EXIT_CONFIG
@@ -86,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from onceflow.savepoint.restore import restore_options_from_env
 
         job = apply_overrides(load_job(argv[0]))
+        watch_stop_request(job.checkpoint.directory, stop, waiting_standby, done)
         go = os.environ.get(GO_ENV)
         if go:  # a warm standby: ready now, running only once promoted
             spark = _standby(job, go, stop)

@@ -144,8 +144,8 @@ def _supervisor(events: list[dict]) -> tuple[dict | None, float]:
 def _live_supervisor(url: str, start: dict | None) -> int | None:
     """The supervisor pid of ``start`` if that very process is alive on this host.
 
-    Refuses (SavepointError) when it runs on another host; a pid that is gone, or reused by a
-    process that started at another time than the one recorded, counts as not running."""
+    None when it runs on another host (see :func:`stop_job`), or when its pid is gone or reused
+    by a process that started at another time than the one recorded."""
     if not start or not start.get("supervisor_pid"):
         return None
     pid, host = int(start["supervisor_pid"]), start.get("host")
@@ -153,12 +153,7 @@ def _live_supervisor(url: str, start: dict | None) -> int | None:
         log.warning("the event log of %s does not record the supervisor's host (older onceflow); "
                     "not signalling pid %d", url, pid)
         return None
-    if host != socket.gethostname():
-        raise SavepointError(
-            f"the job on {url} is supervised on host {host} (pid {pid}), not on this host "
-            f"({socket.gethostname()}); run 'onceflow stop' there"
-        )
-    if not _alive(pid):
+    if host != socket.gethostname() or not _alive(pid):
         return None
     recorded, now = start.get("supervisor_started"), _start_time(pid)
     if recorded is not None and now is not None and int(recorded) != now:
@@ -186,6 +181,11 @@ def _read_request(checkpoint_url: str) -> tuple[dict | None, object, str]:
     except (FileNotFoundError, ValueError):
         return None, fs, path
     return (req if isinstance(req, dict) else None), fs, path
+
+
+def stop_requested(checkpoint_url: str) -> bool:
+    """Whether ``onceflow stop`` left a request in the checkpoint (the driver polls this)."""
+    return _read_request(checkpoint_url)[0] is not None
 
 
 def take_stop_request(checkpoint_url: str) -> dict | None:
@@ -217,42 +217,55 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
              savepoint: bool = False, target: str | None = None) -> str:
     """Stop the job running on ``checkpoint_url`` gracefully (the in-flight batch finishes).
 
-    Sends SIGTERM to the supervisor of ``onceflow run`` (from the event log's latest
-    ``process_start``, only if it runs on this host and its pid still belongs to the process
-    that started then), or to the driver holding the lease when it runs without a supervisor,
-    and waits until the job has stopped and the lease is free. Before signalling it leaves a
-    stop request telling the driver whether to take a savepoint (``savepoint``, at ``target``
-    or the driver's default). Returns what was stopped.
+    First it leaves a stop request in the checkpoint, saying whether to take a savepoint (at
+    ``target`` or the driver's default); every driver polls for it about once a second, so this
+    works from any host that can reach the checkpoint. On the job's own host it also sends
+    SIGTERM, to the supervisor of ``onceflow run`` (the event log's latest ``process_start``,
+    if its pid still belongs to the process that started then) or to the driver holding the
+    lease, for a stop without the polling delay. It then waits until the job has stopped and
+    the lease is free. Returns what was stopped.
     """
     url = checkpoint_url.rstrip("/")
     events = EventLog(url)
     start, since = _supervisor(list(events.read()))
     sup = _live_supervisor(url, start)
     holder = live_lease_holder(url)
+    here = socket.gethostname()
+    pid: int | None = None
     if sup:
         pid, what = sup, f"supervisor pid {sup}"
-    elif holder and holder.get("host") == socket.gethostname():
+    elif holder and holder.get("host") == here:
         pid, what = int(holder["pid"]), f"driver pid {holder['pid']}"
     elif holder:
+        what = f"the driver on host {holder.get('host')} (pid {holder.get('pid')})"
+    elif start and start.get("host") not in (None, here):
         raise SavepointError(
-            f"the job on {url} runs on another host ({holder.get('host')}, pid {holder.get('pid')}); "
-            "stop it there, then run 'onceflow savepoint create'"
+            f"the job on {url} was last supervised on host {start.get('host')} (pid "
+            f"{start.get('supervisor_pid')}) and no driver holds its lease now (it is restarting, or "
+            f"gone): retry in a few seconds, or run 'onceflow stop' there"
         )
     else:
         return "nothing (the job was not running)"
     if target and "://" not in target:
         target = os.path.abspath(target)  # the driver's working directory may differ
+    asked = time.time()
     rid = _write_request(url, savepoint, target)
-    log.info("stopping %s of %s (SIGTERM; the in-flight batch finishes first)", what, url)
-    os.kill(pid, signal.SIGTERM)
+    if pid is not None:
+        log.info("stopping %s of %s (SIGTERM; the in-flight batch finishes first)", what, url)
+        os.kill(pid, signal.SIGTERM)
+    else:
+        log.info("stopping %s of %s: left a stop request, which it picks up within about a second "
+                 "(the in-flight batch finishes first)", what, url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if pid == sup:
+        if pid == sup and pid is not None:
             stopped = not _alive(pid) or any(
                 e.get("event") == "stop" and e.get("scope") == "process" and float(e.get("ts", 0)) >= since
                 for e in events.read())
-        else:
+        elif pid is not None:
             stopped = not _alive(pid)
+        else:  # another host: its driver (or supervisor) logs the stop
+            stopped = any(e.get("event") == "stop" and float(e.get("ts", 0)) >= asked for e in events.read())
         if stopped and live_lease_holder(url) is None:
             _drop_own_request(url, rid)
             return what
