@@ -14,6 +14,9 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # short-lived and the machine has 2 cores: the C1 compiler alone and the serial GC cut the
 # CPU a Spark start-up takes by about 30% (measured with a 10-batch query). Tests only.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
+# Spark's UI is on by default for users; the suite's many short-lived JVMs do without it
+# (tests/cli/test_run_options.py checks the default).
+os.environ.setdefault("ONCEFLOW_SPARK_CONF", '{"spark.ui.enabled": "false"}')
 
 
 @pytest.fixture(scope="session")

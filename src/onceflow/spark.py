@@ -30,11 +30,21 @@ def ensure_java() -> None:
         raise ConfigError(f"{java} is Java {major}; Spark 4 needs Java 17 or newer. {how}")
 
 
-def prepare_environment() -> None:
-    """Environment every onceflow process needs before the JVM starts."""
+#: ``onceflow run --conf k=v``, as JSON, for every SparkSession the run's drivers create
+SPARK_CONF_ENV = "ONCEFLOW_SPARK_CONF"
+
+
+def prepare_environment(master: str | None = None) -> None:
+    """Environment every onceflow process needs before the JVM starts.
+
+    With a ``local`` master, Spark binds to the loopback address unless ``SPARK_LOCAL_IP`` says
+    otherwise (everything runs on this host; a host name that does not resolve cannot break
+    it). With any other master nothing is forced: executors on other hosts must reach the
+    driver."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    if master and master.startswith("local"):
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYARROW_IGNORE_TIMEZONE", "1")
     # Spark's Python processes import pyspark from its installed package, not from the zip
     # (see onceflow/runtime/sitepath/sitecustomize.py).
@@ -44,35 +54,82 @@ def prepare_environment() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([sitepath, *paths])
 
 
-def get_spark(master: str = "local[2]", app_name: str = "onceflow", conf: dict | None = None):
-    """Return a SparkSession with onceflow's data sources registered."""
+#: onceflow's defaults; a job's ``spark_conf``, ``--conf`` and spark-submit's settings win
+DEFAULTS = {
+    "spark.sql.shuffle.partitions": "4",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.streaming.stopTimeout": "120s",
+    "spark.python.worker.reuse": "true",
+}
+
+
+def submitted() -> bool:
+    """Whether spark-submit started this Python process (its JVM, master and conf exist)."""
+    return bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
+
+
+def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf: dict | None = None):
+    """Return a SparkSession with onceflow's data sources registered.
+
+    ``master`` is a default: under spark-submit its ``--master`` wins; None leaves the choice to
+    Spark (``spark.master`` in spark-defaults.conf, else ``local[*]``). ``conf`` is overridden by
+    ``onceflow run --conf`` (``ONCEFLOW_SPARK_CONF``). The Spark UI is on (``spark.ui.port``,
+    default 4040 or the next free port)."""
     ensure_java()
-    prepare_environment()
+    if submitted():
+        master = None
+    prepare_environment(master)
     from pyspark.sql import SparkSession
 
-    builder = (
-        SparkSession.builder.master(master)
-        .appName(app_name)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.streaming.stopTimeout", "120s")
-        .config("spark.python.worker.reuse", "true")
-    )
-    conf = dict(conf or {})
-    from onceflow.runtime import jvm_cache
+    builder = SparkSession.builder if master is None else SparkSession.builder.master(master)
+    builder = builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
+    conf = {**(conf or {}), **cli_conf()}
+    if not submitted():  # under spark-submit, its --conf settings win over onceflow's defaults
+        conf = {**DEFAULTS, **conf}
+        from onceflow.runtime import jvm_cache
 
-    cds = jvm_cache.java_options()  # the driver JVM maps its classes from an archive
-    if cds:
-        user = conf.get("spark.driver.extraJavaOptions", "")
-        conf["spark.driver.extraJavaOptions"] = f"{cds} {user}".strip()  # the user's options win
+        cds = jvm_cache.java_options()  # the driver JVM maps its classes from an archive
+        if cds:
+            user = conf.get("spark.driver.extraJavaOptions", "")
+            conf["spark.driver.extraJavaOptions"] = f"{cds} {user}".strip()  # the user's options win
     for key, value in conf.items():
         builder = builder.config(key, value)
     spark = builder.getOrCreate()
+    if submitted():
+        given = spark.sparkContext.getConf()
+        for key, value in DEFAULTS.items():
+            if key.startswith("spark.sql.") and key not in conf and not given.contains(key):
+                spark.conf.set(key, value)
     spark.sparkContext.setLogLevel(os.environ.get("ONCEFLOW_SPARK_LOG_LEVEL", "ERROR"))
     register_all(spark)
     return spark
+
+
+def cli_conf() -> dict[str, str]:
+    """The ``onceflow run --conf`` settings handed to this process, if any."""
+    import json
+
+    raw = os.environ.get(SPARK_CONF_ENV)
+    if not raw:
+        return {}
+    try:
+        conf = json.loads(raw)
+    except ValueError:
+        raise ConfigError(f"{SPARK_CONF_ENV} is not a JSON object of Spark settings: {raw[:200]}") from None
+    if not isinstance(conf, dict):
+        raise ConfigError(f"{SPARK_CONF_ENV} is not a JSON object of Spark settings: {raw[:200]}")
+    return {str(k): str(v) for k, v in conf.items()}
+
+
+def parse_conf(pairs: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """``k=v`` strings (``onceflow run --conf``) as a dict; a clear error for anything else."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--conf {pair!r}: give a Spark setting as KEY=VALUE, e.g. --conf spark.ui.port=4050")
+        out[key.strip()] = value
+    return out
 
 
 def register_all(spark) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,12 +16,14 @@ from onceflow.runtime.driver import EXIT_CONFIG
 from onceflow.runtime.restart import parse
 from onceflow.runtime.supervisor import (
     CHECKPOINT_ENV,
+    MASTER_ENV,
     RESTART_STRATEGY_ENV,
     Supervisor,
     apply_overrides,
 )
 from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV, SAVEPOINT_ON_STOP_ENV
 from onceflow.savepoint.restore import remove_if_only_onceflow
+from onceflow.spark import SPARK_CONF_ENV, cli_conf, parse_conf
 
 
 @click.command("run")
@@ -38,6 +41,11 @@ from onceflow.savepoint.restore import remove_if_only_onceflow
               help="Where SIGTERM/Ctrl-C put the savepoint on stop (default: CHECKPOINT/../savepoints).")
 @click.option("--no-savepoint-on-stop", is_flag=True,
               help="SIGTERM/Ctrl-C only stop; no savepoint is taken.")
+@click.option("--master", metavar="URL",
+              help="Spark master for the drivers (spark://host:7077, yarn, k8s://..., local[N]); "
+              "overrides the job's master.")
+@click.option("--conf", "conf", metavar="KEY=VALUE", multiple=True,
+              help="A Spark setting for the drivers (repeatable); overrides the job's spark_conf.")
 @click.option("--standby/--no-standby", default=True, show_default=True,
               help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
               "that takes over within seconds when the active driver dies; costs its memory.")
@@ -47,7 +55,7 @@ from onceflow.savepoint.restore import remove_if_only_onceflow
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
-        **restore) -> None:
+        master: str | None, conf: tuple[str, ...], **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -63,6 +71,7 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
 
     env = dict(os.environ)
     try:
+        spark_conf = parse_conf(conf)
         override = parse(restart_spec) if restart_spec else None
         job = load_job(target)
         strategy = override or job.restart_strategy
@@ -84,6 +93,10 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     if checkpoint_url:
         env[CHECKPOINT_ENV] = checkpoint_url
     env[SAVEPOINT_ON_STOP_ENV] = "0" if no_savepoint_on_stop else "1"
+    if master:
+        env[MASTER_ENV] = master
+    if spark_conf:
+        env[SPARK_CONF_ENV] = json.dumps({**cli_conf(), **spark_conf})
     if wait_for_lease:
         env["ONCEFLOW_LEASE_WAIT_S"] = str(wait_for_lease)
     if savepoint_dir:

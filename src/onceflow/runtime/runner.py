@@ -221,11 +221,11 @@ class JobRunner:
         return get_spark(self.job.master, self.job.name, conf)
 
     def _build(self, spark):
-        from onceflow.spark import register_all
+        from onceflow.spark import cli_conf, register_all
 
         register_all(spark)
         job = self.job
-        for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf}.items():
+        for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf, **cli_conf()}.items():
             if key.startswith("spark.sql."):  # session confs: apply to a given session too
                 spark.conf.set(key, value)
         with _SOURCE_LOCK:  # the session conf is read by job.source(): one job at a time per process

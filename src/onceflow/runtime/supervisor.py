@@ -74,6 +74,7 @@ PGID_ENV = "ONCEFLOW_DRIVER_PGID"
 # ``onceflow run --checkpoint/--restart-strategy`` pass their overrides to the driver here.
 CHECKPOINT_ENV = "ONCEFLOW_CHECKPOINT"
 RESTART_STRATEGY_ENV = "ONCEFLOW_RESTART_STRATEGY"
+MASTER_ENV = "ONCEFLOW_MASTER"  # onceflow run --master
 # With start_new_session the shell's pid is the new group's id; exec keeps that pid.
 _LAUNCH = ["/bin/sh", "-c", f'{PGID_ENV}=$$; export {PGID_ENV}; exec "$@"', "onceflow-driver"]
 
@@ -125,6 +126,8 @@ def apply_overrides(job: Job, environ: Mapping[str, str] | None = None) -> Job:
         job.checkpoint = dataclasses.replace(job.checkpoint, directory=environ[CHECKPOINT_ENV])
     if environ.get(RESTART_STRATEGY_ENV):
         job.restart_strategy = parse(environ[RESTART_STRATEGY_ENV])
+    if environ.get(MASTER_ENV):
+        job.master = environ[MASTER_ENV]
     return job
 
 
