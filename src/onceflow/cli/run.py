@@ -13,6 +13,7 @@ from fsspec.core import url_to_fs
 from onceflow.cli.savepoint import restore_env_for_run, restore_options
 from onceflow.errors import OnceflowError
 from onceflow.runtime.driver import EXIT_CONFIG
+from onceflow.runtime.metrics import PORT_ENV as METRICS_PORT_ENV
 from onceflow.runtime.restart import parse
 from onceflow.runtime.supervisor import (
     CHECKPOINT_ENV,
@@ -46,6 +47,9 @@ from onceflow.spark import SPARK_CONF_ENV, cli_conf, parse_conf
               "overrides the job's master.")
 @click.option("--conf", "conf", metavar="KEY=VALUE", multiple=True,
               help="A Spark setting for the drivers (repeatable); overrides the job's spark_conf.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
+              help="Serve Prometheus metrics (Flink's names: numberOfCompletedCheckpoints, numRestarts, "
+              "numRecordsIn, ...) at http://HOST:PORT/metrics from the active driver.")
 @click.option("--standby/--no-standby", default=True, show_default=True,
               help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
               "that takes over within seconds when the active driver dies; costs its memory.")
@@ -55,7 +59,7 @@ from onceflow.spark import SPARK_CONF_ENV, cli_conf, parse_conf
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
-        master: str | None, conf: tuple[str, ...], **restore) -> None:
+        master: str | None, conf: tuple[str, ...], metrics_port: int | None, **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -95,6 +99,8 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     env[SAVEPOINT_ON_STOP_ENV] = "0" if no_savepoint_on_stop else "1"
     if master:
         env[MASTER_ENV] = master
+    if metrics_port:
+        env[METRICS_PORT_ENV] = str(metrics_port)
     if spark_conf:
         env[SPARK_CONF_ENV] = json.dumps({**cli_conf(), **spark_conf})
     if wait_for_lease:

@@ -126,8 +126,10 @@ def _main(argv: list[str], done: threading.Event) -> int:
             if spark is None:
                 return EXIT_OK
             waiting_standby[0] = False
+            _serve_metrics(job, started)
             job.run(spark=spark, stop=stop, takeover=True, **restore_options_from_env(os.environ))
         else:
+            _serve_metrics(job, started)
             job.run(stop=stop, **restore_options_from_env(os.environ))
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
@@ -144,6 +146,21 @@ def _main(argv: list[str], done: threading.Event) -> int:
     if stop.is_set():
         return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
     return EXIT_OK
+
+
+def _serve_metrics(job, started: float) -> None:
+    """``onceflow run --metrics-port N``: serve Prometheus metrics while this driver is active."""
+    from onceflow.runtime.metrics import PORT_ENV, serve
+
+    port = os.environ.get(PORT_ENV)
+    if not port:
+        return
+    try:
+        serve(int(port), job.checkpoint.directory, job.name, started)
+        logging.getLogger("onceflow.driver").info("metrics at http://0.0.0.0:%s/metrics", port)
+    except OSError as e:  # e.g. a paused predecessor still holds the port: run on, say so
+        logging.getLogger("onceflow.driver").warning(
+            "metrics port %s: %s; this driver runs without its metrics endpoint", port, e)
 
 
 def _standby(job, go: str, stop: threading.Event):
