@@ -220,7 +220,9 @@ class Harness:
         last: FaultRecord | None = None
         with Progress(*columns, console=self.console) as progress:
             bar = progress.add_task("events", total=self.spec.events, info="starting Spark")
-            for kind, pause in plan:
+            queue, missed = list(plan), 0
+            while queue:
+                kind, pause = queue.pop(0)
                 progress.update(bar, info=f"faults {len(records)}/{len(plan)} · waiting for a commit")
                 if not self._wait_up(last, progress, bar):
                     break
@@ -235,7 +237,13 @@ class Harness:
                 try:
                     detail = FAULTS[kind].inject(self)
                 except (FaultMissed, ProcessLookupError, psutil.NoSuchProcess) as e:
-                    progress.console.print(f"[dim]{kind}: skipped ({e or 'its target was gone'})[/dim]")
+                    # e.g. no driver at that instant (restarting): try again a second later
+                    missed += 1
+                    again = missed <= 3 * len(plan)
+                    progress.console.print(f"[dim]{kind}: missed ({e or 'its target was gone'})"
+                                           f"{'; retrying' if again else '; skipped'}[/dim]")
+                    if again:
+                        queue.insert(0, (kind, 1.0))
                     continue
                 except (OnceflowError, OSError, subprocess.SubprocessError) as e:
                     self.anomalies.append(f"fault {kind} could not be injected: {e}")
