@@ -15,7 +15,7 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 # CPU a Spark start-up takes by about 30% (measured with a 10-batch query). Tests only.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 # Spark's UI is on by default for users; the suite's many short-lived JVMs do without it
-# (tests/cli/test_run_options.py checks the default).
+# (tests/runtime/test_metrics.py checks the default).
 os.environ.setdefault("ONCEFLOW_SPARK_CONF", '{"spark.ui.enabled": "false"}')
 
 

@@ -1,7 +1,9 @@
-"""``onceflow run --metrics-port``: Prometheus metrics with Flink's names, from a live driver."""
+"""``onceflow run --metrics-port``: Prometheus metrics with Flink's names, from a live driver;
+the same run checks ``--master``/``--conf`` over the job's own settings and the Spark UI's default."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,16 +14,22 @@ import urllib.request
 
 JOB = textwrap.dedent(
     """
-    import os
+    import json, os
     from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
 
     def source(spark):
+        sc = spark.sparkContext
+        with open(os.environ["WORK"] + "/session.json", "w") as f:
+            json.dump({"master": sc.master, "ui": sc.uiWebUrl,
+                       "shuffle": spark.conf.get("spark.sql.shuffle.partitions"),
+                       "tz": spark.conf.get("spark.sql.session.timeZone")}, f)
         return (spark.readStream.format("onceflow-sequence").option("total", 20000)
                 .option("rows_per_second", 2000).option("max_rows_per_batch", 1000).load())
 
     job = Job(name="metered", source=source, sink=DeltaSink(os.environ["WORK"] + "/table"),
               checkpoint=CheckpointConfig(os.environ["WORK"] + "/ckpt", interval=0),
-              restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=1.0)
+              restart_strategy=fixed_delay(attempts=1, delay=0), stop_when_idle=1.0,
+              master="local[2]", spark_conf={"spark.sql.shuffle.partitions": "5"})
     """
 )
 
@@ -42,12 +50,15 @@ def _scrape(port: int) -> dict[str, float]:
     return out
 
 
-def test_the_active_driver_serves_flink_named_metrics(tmp_path):
+def test_the_active_driver_serves_flink_named_metrics_and_the_command_line_wins(tmp_path):
     (tmp_path / "job.py").write_text(JOB)
     port = _free_port()
-    env = {**os.environ, "WORK": str(tmp_path)}
+    env = {k: v for k, v in os.environ.items() if k != "ONCEFLOW_SPARK_CONF"}  # the user's default: UI on
+    env["WORK"] = str(tmp_path)
     sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", "--metrics-port", str(port),
-                            str(tmp_path / "job.py")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            "--master", "local[1]", "--conf", "spark.ui.port=4077",
+                            "--conf", "spark.sql.shuffle.partitions=3", str(tmp_path / "job.py")],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline, m = time.monotonic() + 180, {}
         while time.monotonic() < deadline:
@@ -70,6 +81,12 @@ def test_the_active_driver_serves_flink_named_metrics(tmp_path):
     for name in ("numberOfFailedCheckpoints", "lastCheckpointSize", "replayedRecordsSkipped_total",
                  "replayedBatchesSkipped_total"):
         assert f"onceflow_job_{name}" in m, name
+
+    session = json.loads((tmp_path / "session.json").read_text())
+    assert session["master"] == "local[1]"  # --master over Job.master
+    assert session["shuffle"] == "3"  # --conf over Job.spark_conf over onceflow's default (4)
+    assert session["tz"] == "UTC"  # onceflow's default where nobody said otherwise
+    assert session["ui"] and ":40" in session["ui"], session  # the UI is on, at 4077 or the next free port
 
 
 def test_replays_restarts_and_a_half_written_line_are_counted_right(tmp_path):
