@@ -8,7 +8,8 @@ Flink has the metric (one micro-batch is one checkpoint), prefixed ``onceflow_jo
 - ``numberOfFailedCheckpoints``: micro-batches that failed (each leads to a restart);
 - ``lastCheckpointDuration`` (ms) and ``lastCheckpointSize`` (state bytes) of the last batch;
 - ``numRestarts``; ``uptime`` (ms since this driver started);
-- ``numRecordsIn``: records the query processed, replays after restarts included;
+- ``numRecordsIn``: records the query processed, replays after restarts included (counted
+  when the driver records the batch's progress, up to a second after the sink's commit);
 - ``numRecordsOut``: records the sink committed.
 
 And the exactly-once figures no peer exports: ``onceflow_job_replayedRecordsSkipped`` (records of
