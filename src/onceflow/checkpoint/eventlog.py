@@ -62,17 +62,25 @@ class EventLog:
 
     def read_from(self, offset: int) -> Iterator[dict]:
         """The events appended at or after byte ``offset`` (from :meth:`size`)."""
+        yield from self.tail(offset)[0]
+
+    def tail(self, offset: int) -> tuple[list[dict], int]:
+        """The complete events appended at or after byte ``offset``, and the offset to read on
+        from: a line still being written is left for the next call."""
         try:
             with self.fs.open(self.path, "rb") as f:
                 f.seek(offset)
                 data = f.read()
         except FileNotFoundError:
-            return
-        for line in data.decode(errors="replace").splitlines():
+            return [], offset
+        complete = data[: data.rfind(b"\n") + 1]
+        events = []
+        for line in complete.decode(errors="replace").splitlines():
             try:
-                yield json.loads(line)
+                events.append(json.loads(line))
             except ValueError:
-                continue
+                continue  # torn line from a crash mid-append
+        return events, offset + len(complete)
 
     def read(self) -> Iterator[dict]:
         try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 from onceflow.checkpoint.eventlog import EventLog
 
@@ -42,26 +41,10 @@ class EventLogCollector:
         self.replay_batches = self.replay_records = 0
         self._batch_rows: dict[int, int] = {}  # recent batches' input rows, for skipped replays
 
-    def _new_events(self) -> Iterator[dict]:
-        import json
-
-        try:
-            with self.log.fs.open(self.log.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return
-        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next scrape
-        self._offset += len(complete)
-        for line in complete.decode(errors="replace").splitlines():
-            try:
-                yield json.loads(line)
-            except ValueError:
-                continue
-
     def update(self) -> None:
         with self._lock:
-            for e in self._new_events():
+            events, self._offset = self.log.tail(self._offset)
+            for e in events:
                 kind = e.get("event")
                 if kind == "batch":
                     self.completed += 1
