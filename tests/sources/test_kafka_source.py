@@ -160,6 +160,10 @@ def test_new_topic_matching_pattern_is_read_from_its_start(spark, kafka_broker, 
         while len(rows) < 19:
             assert time.monotonic() < deadline and q.isActive, f"only {len(rows)} of 19 records read"
             time.sleep(0.1)
+        # The sink sees a batch's rows before Spark records that batch's progress: wait for it.
+        while not any(f"{topic_name}-b" in (p.sources[0].endOffset or "") for p in q.recentProgress):
+            assert time.monotonic() < deadline and q.isActive, "no progress names topic -b"
+            time.sleep(0.1)
     finally:
         release.set()
         q.stop()
