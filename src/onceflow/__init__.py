@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Job": "onceflow.job",
     "CheckpointConfig": "onceflow.job",
+    "RestoreContext": "onceflow.runtime.context",
     "DeltaSink": "onceflow.sinks.delta",
     "PostgresSink": "onceflow.sinks.postgres",
     "KafkaSink": "onceflow.sinks.kafka",

@@ -1,7 +1,8 @@
 """The Job API: a plain PySpark pipeline handed to onceflow.
 
 A :class:`Job` names a source (any Spark streaming DataFrame factory), an optional
-``transform(df) -> df``, a transactional sink, a :class:`CheckpointConfig` and a
+``transform(df) -> df`` (each may take a :class:`~onceflow.RestoreContext` as a second
+argument), a transactional sink, a :class:`CheckpointConfig` and a
 :class:`~onceflow.runtime.restart.RestartStrategy`. ``job.run()`` blocks until the source is
 exhausted (bounded sources), a stop is requested, or the restart strategy gives up.
 """
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Literal
 
 from onceflow.durations import seconds
 from onceflow.errors import ConfigError, OnceflowError
+from onceflow.runtime.context import RestoreContext, check_arity
+from onceflow.runtime.context import call as call_with_context
 from onceflow.runtime.restart import RestartStrategy, fixed_delay
 
 if TYPE_CHECKING:
@@ -77,10 +80,12 @@ class Job:
     """A streaming pipeline run by onceflow with exactly-once effects in its sink."""
 
     name: str
-    source: Callable[[SparkSession], DataFrame]
+    #: ``spark -> streaming DataFrame``, or ``(spark, RestoreContext) -> ...``
+    source: Callable[..., DataFrame]
     sink: Sink
     checkpoint: CheckpointConfig
-    transform: Callable[[DataFrame], DataFrame] | None = None
+    #: ``df -> DataFrame``, or ``(df, RestoreContext) -> DataFrame``
+    transform: Callable[..., DataFrame] | None = None
     restart_strategy: RestartStrategy = field(default_factory=fixed_delay)
     output_mode: Literal["append", "complete", "update"] = "append"
     master: str = "local[2]"
@@ -93,8 +98,22 @@ class Job:
             raise ConfigError(f"Job.name {self.name!r}: use letters, digits, '_', '-', '.'")
         if not callable(self.source):
             raise ConfigError("Job.source must be a function spark -> streaming DataFrame")
+        check_arity(self.source, "Job.source")
+        if self.transform is not None:
+            if not callable(self.transform):
+                raise ConfigError("Job.transform must be a function df -> DataFrame")
+            check_arity(self.transform, "Job.transform")
         if self.output_mode not in ("append", "complete", "update"):
             raise ConfigError(f"Job.output_mode {self.output_mode!r}: use append, complete or update")
+
+    def dataframe(self, spark: SparkSession, context: RestoreContext | None = None) -> DataFrame:
+        """The job's DataFrame: ``source`` then ``transform``, each given ``context`` when it
+        takes a second argument (see :class:`onceflow.RestoreContext`)."""
+        context = context or RestoreContext("fresh")
+        df = call_with_context(self.source, spark, context)
+        if self.transform is not None:
+            df = call_with_context(self.transform, df, context)
+        return df
 
     def run(self, spark: SparkSession | None = None, stop=None, *, from_savepoint: str | None = None,
             fork: bool = False, rescale: int | None = None, allow_non_restored_state: bool = False,

@@ -26,11 +26,14 @@ from onceflow.verify.exactly_once import check_delta_table
 
 JOB = textwrap.dedent(
     """
-    import os
+    import json, os
     from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
     from onceflow.demo.job import transform
 
-    def source(spark):
+    def source(spark, ctx):  # records how each run started (the RestoreContext)
+        with open(os.environ["WORK"] + "/starts.jsonl", "a") as f:
+            f.write(json.dumps({"start": ctx.start, "attempt": ctx.attempt, "savepoint": ctx.savepoint,
+                                "lineage": ctx.lineage}) + "\\n")
         return (spark.readStream.format("onceflow-sequence")
                 .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 2000)
                 .option("max_rows_per_batch", 1000).option("keys", 16).load())
@@ -196,6 +199,11 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     err = capsys.readouterr().err
+    # How each run started, as its source saw it (plans built only for a restore's checks left out).
+    starts = [json.loads(x) for x in open(tmp_path / "starts.jsonl")]
+    runs = [(s["start"], s["attempt"], s["savepoint"]) for s in starts if s["lineage"] is not None or s["start"] == "fresh"]
+    assert runs == [("fresh", 0, None), ("restored", 0, sp), ("restored", 0, sp2), ("resumed", 0, sp2)]
+    assert {s["lineage"] for s in starts if s["lineage"]} == {ckpt.lineage}
     assert "error: stopped, but the savepoint on stop failed" in err and f"the checkpoint {ckpt3.url} is intact" in err
     r = CliRunner().invoke(main, ["savepoint", "create", ckpt3.url, str(tmp_path / "sp3")])
     assert r.exit_code == 0, r.output

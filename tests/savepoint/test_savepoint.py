@@ -167,6 +167,31 @@ def test_roll_back_needs_fork_then_replays_under_a_new_lineage(spark, any_histor
     assert any(e["event"] == "restore" and e["mode"] == "rollback" for e in events)
 
 
+def test_restore_context_says_which_savepoint_and_how(spark, history, tmp_path):
+    """The run that restores sees start="restored" with the savepoint and the fork; a
+    later run of that checkpoint sees 'resumed', still naming the savepoint it came from."""
+    table = tmp_path / "table"
+    shutil.copytree(history["table"], table)
+    seen = []
+
+    def transform(df, ctx):
+        seen.append(ctx)
+        return running_count(df)
+
+    counting_job(tmp_path / "ckpt", table, 5000, transform=transform).run(
+        spark=spark, from_savepoint=history["sp2"], fork=True)
+    counting_job(tmp_path / "ckpt", table, 6000, transform=transform).run(spark=spark)
+    lineage = CheckpointDir(str(tmp_path / "ckpt")).lineage
+    # Before restoring, onceflow builds the job's plan (not run) to check its operators.
+    plans, seen = [c for c in seen if c.lineage is None], [c for c in seen if c.lineage is not None]
+    assert plans and {(c.start, c.savepoint, c.restore_mode) for c in plans} == {
+        ("restored", str(history["sp2"]).rstrip("/"), "fork")}
+    assert [(c.start, c.is_restored, c.from_savepoint, c.forked) for c in seen] == [
+        ("restored", True, True, True), ("resumed", True, True, True)]
+    assert {(c.savepoint, c.restore_mode, c.rescaled_to, c.lineage) for c in seen} == {
+        (str(history["sp2"]).rstrip("/"), "fork", None, lineage)}
+
+
 def test_fork_runs_alongside_the_original_with_its_own_lineage(spark, history, tmp_path):
     """The original job resumes from sp2 while a fork of sp2 runs at the same time, both writing
     to the same Delta table: each keeps its own lineage, and neither disturbs the other."""

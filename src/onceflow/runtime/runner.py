@@ -31,6 +31,7 @@ from fsspec.core import url_to_fs
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
+from onceflow.runtime.context import RestoreContext, checkpoint_context
 from onceflow.errors import (
     BY_NAME,
     CheckpointError,
@@ -141,6 +142,7 @@ class JobRunner:
         self.stop = stop or threading.Event()
         self.url = job.checkpoint.directory.rstrip("/")
         self.events = EventLog(self.url)
+        self._restored_now, self._attempt = False, 0  # for context(), set again by run()
 
     # ---- public ------------------------------------------------------------------------
 
@@ -159,8 +161,10 @@ class JobRunner:
             if spark is None:
                 spark = self._spark()
                 spark_s = time.time() - t0 - lease_s
+            restored_now = False
             if self.restore is not None:
-                self.restore.apply(self.url, job=job, spark=spark)
+                restored_now = self.restore.apply(self.url, job=job, spark=spark).mode != "already_restored"
+            self._restored_now, self._attempt = restored_now, self._process_attempt()
             started = time.time()
             self.events.append("start", job=job.name, restart_strategy=job.restart_strategy.describe(),
                                lease_epoch=self.lease.epoch, lease_s=round(lease_s, 3),
@@ -194,6 +198,7 @@ class JobRunner:
                             f"job {job.name} failed and the restart strategy "
                             f"{job.restart_strategy.describe()} gave up; last cause: {cause}"
                         ) from None
+                    self._restored_now, self._attempt = False, self._attempt + 1
                     log.warning("%s; %s; retry %d in %.1f s", cause, self._waiting(), attempt, delay)
                     self.events.append("restart", cause=cause, delay_s=delay, attempt=attempt, scope="query")
                     if self.stop.wait(delay):
@@ -214,6 +219,22 @@ class JobRunner:
 
     # ---- internals ---------------------------------------------------------------------
 
+    def _process_attempt(self) -> int:
+        """Driver restarts before this process: ``onceflow run`` logs each driver it starts."""
+        pid = os.getpid()
+        attempt = 0
+        try:
+            for e in self.events.read():
+                if e.get("event") == "process_start" and e.get("pid") == pid:
+                    attempt = max(int(e.get("attempt", 1)) - 1, 0)
+        except (OSError, ValueError):
+            pass
+        return attempt
+
+    def context(self) -> RestoreContext:
+        """How the query about to start was started (given to the job's source and transform)."""
+        return checkpoint_context(self.url, restored_now=self._restored_now, attempt=self._attempt)
+
     def _spark(self):
         from onceflow.spark import get_spark
 
@@ -230,9 +251,7 @@ class JobRunner:
                 spark.conf.set(key, value)
         with _SOURCE_LOCK:  # the session conf is read by job.source(): one job at a time per process
             spark.conf.set("spark.onceflow.checkpointLocation", self.url)  # sources' event log (Kafka data loss)
-            df = job.source(spark)
-        if job.transform is not None:
-            df = job.transform(df)
+            df = job.dataframe(spark, self.context())
         if not df.isStreaming:
             raise ConfigError(f"job {job.name}: the source must be a streaming DataFrame (spark.readStream...)")
         sink_opts = dict(job.sink.options())

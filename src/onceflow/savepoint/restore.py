@@ -34,6 +34,7 @@ from fsspec.core import url_to_fs
 
 from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.runtime.context import RestoreContext
 from onceflow.savepoint.manifest import DATA_DIR, Manifest, SavepointError, read_manifest
 from onceflow.savepoint.transfer import Copied, copy_tree
 
@@ -94,14 +95,13 @@ def _norm(name: str | None) -> str | None:
     return _ALIASES.get(n, n)
 
 
-def job_operators(spark, job: Job) -> dict[int, str]:
-    """Stateful operators of ``job``'s query (id -> plan node name), from Spark's planner."""
+def job_operators(spark, job: Job, context: RestoreContext | None = None) -> dict[int, str]:
+    """Stateful operators of ``job``'s query (id -> plan node name), from Spark's planner
+    (the job's source and transform are called with ``context``: a plan is built, not run)."""
     from onceflow.spark import register_all
 
     register_all(spark)
-    df = job.source(spark)
-    if job.transform is not None:
-        df = job.transform(df)
+    df = job.dataframe(spark, context or RestoreContext("restored"))
     plan = spark._jvm.PythonSQLUtils.explainString(df._jdf.queryExecution(), "simple")
     ops: dict[int, str] = {}
     for line in plan.splitlines():
@@ -157,7 +157,9 @@ class RestoreRequest:
             raise SavepointError(f"--rescale {self.rescale}: give a number of state partitions >= 1")
         sp_fs, sp_root = url_to_fs(sp_url)
         _check_present(sp_fs, sp_root, sp_url, manifest)
-        ops = job_operators(spark, job) if job is not None and spark is not None else None
+        context = RestoreContext("restored", savepoint=sp_url, restore_mode="fork" if self.fork else "resume",
+                                 rescaled_to=self.rescale)
+        ops = job_operators(spark, job, context) if job is not None and spark is not None else None
         self._check_rescale(manifest, ops, spark, job is not None)
         skipped = self._check_operators(manifest, ops)
         mode = "fork" if self.fork else "resume"
@@ -366,6 +368,13 @@ def _spark_version() -> str:
     from onceflow.savepoint.create import spark_version
 
     return spark_version()
+
+
+def restore_marker(checkpoint_url: str) -> dict | None:
+    """The completed restore record of a checkpoint (savepoint, mode, lineage, rescaled_to), if any."""
+    target = CheckpointDir(checkpoint_url)
+    marker = _read_marker(target.fs, f"{target.path.rstrip('/')}/{MARKER}")
+    return marker if marker and marker.get("status") == "done" else None
 
 
 def _read_marker(fs, path: str) -> dict | None:
