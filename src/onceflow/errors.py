@@ -57,6 +57,21 @@ class JvmDied(OnceflowError):
     fatal = False
 
 
+class SparkUnavailable(OnceflowError):
+    """The Spark Connect server cannot be reached (an outage: restarted, not fatal)."""
+
+    fatal = False
+
+
+class DriverLeaseLapsed(OnceflowError):
+    """A query committed without its driver: the driver's lease lapsed (it died or is paused).
+
+    Only queries that can outlive their driver get it: those started over Spark Connect run
+    on the server when the client process is gone. Not fatal: a live driver restarts it."""
+
+    fatal = False
+
+
 class InjectedCrash(RuntimeError):
     """Raised by a fault-injection point configured for tests (never in production)."""
 
@@ -64,5 +79,6 @@ class InjectedCrash(RuntimeError):
 #: Exception class names that, found in a Spark failure's text, carry an onceflow error
 #: raised inside Spark (a task or the commit runner) -> the class to re-raise in the driver.
 BY_NAME: dict[str, type[OnceflowError]] = {
-    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError, SourceError)
+    c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError, SourceError,
+                                 DriverLeaseLapsed)
 }

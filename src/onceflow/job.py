@@ -89,6 +89,8 @@ class Job:
     restart_strategy: RestartStrategy = field(default_factory=fixed_delay)
     output_mode: Literal["append", "complete", "update"] = "append"
     master: str = "local[2]"
+    #: a Spark Connect URL (``sc://host:15002``): run the query on that server instead
+    remote: str | None = None
     spark_conf: dict[str, str] = field(default_factory=dict)
     #: stop once no data has been available for this many seconds (bounded inputs, demos, tests)
     stop_when_idle: float | None = None

@@ -32,6 +32,13 @@ def ensure_java() -> None:
 
 #: ``onceflow run --conf k=v``, as JSON, for every SparkSession the run's drivers create
 SPARK_CONF_ENV = "ONCEFLOW_SPARK_CONF"
+#: ``onceflow run --remote sc://host:15002``: drivers use a Spark Connect session
+REMOTE_ENV = "ONCEFLOW_REMOTE"
+
+
+def is_connect(spark) -> bool:
+    """Whether ``spark`` is a Spark Connect session (no JVM in this process)."""
+    return type(spark).__module__.startswith("pyspark.sql.connect")
 
 
 def prepare_environment(master: str | None = None) -> None:
@@ -68,13 +75,17 @@ def submitted() -> bool:
     return bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
 
 
-def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf: dict | None = None):
+def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf: dict | None = None,
+              remote: str | None = None):
     """Return a SparkSession with onceflow's data sources registered.
 
     ``master`` is a default: under spark-submit its ``--master`` wins; None leaves the choice to
     Spark (``spark.master`` in spark-defaults.conf, else ``local[*]``). ``conf`` is overridden by
     ``onceflow run --conf`` (``ONCEFLOW_SPARK_CONF``). The Spark UI is on (``spark.ui.port``,
-    default 4040 or the next free port)."""
+    default 4040 or the next free port). ``remote``: a Spark Connect URL (``sc://host:15002``);
+    the session is then a Connect client and ``master`` is the server's business."""
+    if remote:
+        return _connect(remote, app_name, {**(conf or {}), **cli_conf()})
     ensure_java()
     if submitted():
         master = None
@@ -103,6 +114,62 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
     spark.sparkContext.setLogLevel(os.environ.get("ONCEFLOW_SPARK_LOG_LEVEL", "ERROR"))
     register_all(spark)
     return spark
+
+
+def _connect(remote: str, app_name: str, conf: dict[str, str]):
+    """A Spark Connect session to ``remote``: SQL settings are applied to the session; the
+    others (executors, UI, ...) belong to the server and are left to it, with a warning."""
+    import logging
+
+    try:
+        import pyspark.sql.connect.session  # noqa: F401 - the client libraries are installed
+        from pyspark.sql import SparkSession
+    except ImportError as e:
+        raise ConfigError(f"Spark Connect needs pyspark's client libraries ({e}); install them "
+                          "with: pip install 'onceflow[connect]'") from None
+    if not remote.startswith("sc://"):
+        raise ConfigError(f"--remote {remote!r}: give a Spark Connect URL, e.g. sc://host:15002")
+    _probe(remote)
+    session_conf = {k: v for k, v in {**DEFAULTS, **conf}.items() if k.startswith("spark.sql.")}
+    server_only = sorted(k for k in conf if not k.startswith("spark.sql."))
+    if server_only:
+        logging.getLogger("onceflow.spark").warning(
+            "Spark Connect: %s are settings of the Connect server, not of a session; set them "
+            "where the server starts (start-connect-server.sh --conf ...)", ", ".join(server_only))
+    try:
+        # pyspark's own builder: it also switches pyspark to Connect mode for this process
+        # (DDL strings, UDF return types are then parsed by the server).
+        spark = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+        for key, value in session_conf.items():
+            spark.conf.set(key, value)
+        register_all(spark)
+    except Exception as e:  # noqa: BLE001 - gRPC errors have many classes; one line says it
+        if type(e).__name__ in ("SparkConnectGrpcException", "RetriesExceeded", "_InactiveRpcError") \
+                or "UNAVAILABLE" in str(e):
+            from onceflow.errors import SparkUnavailable
+
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SparkUnavailable(f"Spark Connect server {remote} cannot be reached ({first[:200]}); "
+                                   "start it (sbin/start-connect-server.sh) or fix --remote") from None
+        raise
+    return spark
+
+
+def _probe(remote: str, timeout_s: float = 10.0) -> None:
+    """SparkUnavailable at once when nothing listens at the Connect URL (the client itself
+    would retry for minutes before saying so)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from onceflow.errors import SparkUnavailable
+
+    url = urlparse(remote.replace("sc://", "http://", 1))
+    try:
+        with socket.create_connection((url.hostname or "localhost", url.port or 15002), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise SparkUnavailable(f"Spark Connect server {remote} cannot be reached ({e}); start it "
+                               "(sbin/start-connect-server.sh) or fix --remote") from None
 
 
 def cli_conf() -> dict[str, str]:

@@ -33,7 +33,7 @@ import uuid
 
 from fsspec.core import url_to_fs
 
-from onceflow.errors import ConfigError, FencedError
+from onceflow.errors import ConfigError, DriverLeaseLapsed, FencedError
 
 log = logging.getLogger("onceflow.lease")
 
@@ -219,3 +219,26 @@ class DriverLease:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_driver_lease(checkpoint_url: str, epoch: int, ttl_s: float) -> None:
+    """For a query that can outlive its driver (started over Spark Connect, it runs on the
+    server when the client is gone): FencedError when a newer driver took the lease,
+    DriverLeaseLapsed when the driver of ``epoch`` released it or has not renewed it for
+    ``ttl_s``. Called before each batch's decision, so such a query stops committing within
+    a TTL of its driver's death."""
+    lease = DriverLease(checkpoint_url, "?", ttl_s=ttl_s)
+    epochs = lease._epochs()
+    if epochs and epochs[-1] > epoch:
+        raise FencedError(f"a newer driver took the lease of {checkpoint_url} (epoch {epochs[-1]} > "
+                          f"{epoch}): this query, started by the driver of epoch {epoch}, stops")
+    rec = lease._read(epoch)
+    age = time.time() - float(rec.get("renewed", 0)) if rec else float("inf")
+    if rec is None or rec.get("released") or age > ttl_s:
+        who = f"pid {rec.get('pid')} on {rec.get('host')}" if rec else "its driver"
+        raise DriverLeaseLapsed(
+            f"the driver that started this query ({who}, lease epoch {epoch} of {checkpoint_url}) "
+            + ("released its lease" if rec and rec.get("released") else
+               f"has not renewed its lease for {age:.0f}s (TTL {ttl_s:g}s)")
+            + ": it died or is paused, so the query stops instead of committing without it; "
+            "'onceflow run' resumes it from the checkpoint")

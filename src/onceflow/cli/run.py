@@ -24,7 +24,7 @@ from onceflow.runtime.supervisor import (
 )
 from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV, SAVEPOINT_ON_STOP_ENV
 from onceflow.savepoint.restore import remove_if_only_onceflow
-from onceflow.spark import SPARK_CONF_ENV, cli_conf, parse_conf
+from onceflow.spark import REMOTE_ENV, SPARK_CONF_ENV, cli_conf, parse_conf
 
 
 @click.command("run")
@@ -45,6 +45,9 @@ from onceflow.spark import SPARK_CONF_ENV, cli_conf, parse_conf
 @click.option("--master", metavar="URL",
               help="Spark master for the drivers (spark://host:7077, yarn, k8s://..., local[N]); "
               "overrides the job's master.")
+@click.option("--remote", metavar="sc://HOST:PORT",
+              help="Run the queries on a Spark Connect server instead of a Spark of the driver's "
+              "own; overrides the job's remote. Not with --master.")
 @click.option("--conf", "conf", metavar="KEY=VALUE", multiple=True,
               help="A Spark setting for the drivers (repeatable); overrides the job's spark_conf.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
@@ -59,7 +62,8 @@ from onceflow.spark import SPARK_CONF_ENV, cli_conf, parse_conf
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
-        master: str | None, conf: tuple[str, ...], metrics_port: int | None, **restore) -> None:
+        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None,
+        **restore) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -76,6 +80,11 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     env = dict(os.environ)
     try:
         spark_conf = parse_conf(conf)
+        if master and remote:
+            raise OnceflowError("--master and --remote contradict each other: a Spark Connect "
+                                "server has its own master; give one")
+        if remote and not remote.startswith("sc://"):
+            raise OnceflowError(f"--remote {remote!r}: give a Spark Connect URL, e.g. sc://host:15002")
         override = parse(restart_spec) if restart_spec else None
         job = load_job(target)
         strategy = override or job.restart_strategy
@@ -99,6 +108,8 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     env[SAVEPOINT_ON_STOP_ENV] = "0" if no_savepoint_on_stop else "1"
     if master:
         env[MASTER_ENV] = master
+    if remote:
+        env[REMOTE_ENV] = remote
     if metrics_port:
         env[METRICS_PORT_ENV] = str(metrics_port)
     if spark_conf:

@@ -169,7 +169,7 @@ def _standby(job, go: str, stop: threading.Event):
     from onceflow.spark import get_spark
 
     log = logging.getLogger("onceflow.driver")
-    spark = get_spark(job.master, job.name, {**job.checkpoint.spark_conf(), **job.spark_conf})
+    spark = get_spark(job.master, job.name, {**job.checkpoint.spark_conf(), **job.spark_conf}, job.remote)
     warm_s = warm_up(spark, job, go)
     mark_ready(go, warm_s)
     log.info("standby ready (warm-up %.1f s); waiting for %s", warm_s, go)

@@ -32,6 +32,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
 from onceflow.runtime.context import RestoreContext, checkpoint_context
+from onceflow.spark import is_connect
 from onceflow.errors import (
     BY_NAME,
     CheckpointError,
@@ -71,7 +72,10 @@ def onceflow_error_in(text: str) -> OnceflowError | None:
 
 
 def jvm_alive(spark) -> bool:
-    """False when the session's JVM process (launched by this Python process) has exited."""
+    """False when the session's JVM process (launched by this Python process) has exited
+    (always True for a Spark Connect session: its JVM is the server's)."""
+    if is_connect(spark):
+        return True
     gateway = getattr(spark.sparkContext, "_gateway", None)
     proc = getattr(gateway, "proc", None)
     return proc is None or proc.poll() is None
@@ -239,7 +243,7 @@ class JobRunner:
         from onceflow.spark import get_spark
 
         conf = {**self.job.checkpoint.spark_conf(), **self.job.spark_conf}
-        return get_spark(self.job.master, self.job.name, conf)
+        return get_spark(self.job.master, self.job.name, conf, self.job.remote)
 
     def _build(self, spark):
         from onceflow.spark import cli_conf, register_all
@@ -255,6 +259,8 @@ class JobRunner:
         if not df.isStreaming:
             raise ConfigError(f"job {job.name}: the source must be a streaming DataFrame (spark.readStream...)")
         sink_opts = dict(job.sink.options())
+        if is_connect(spark):  # the query runs on the server and would outlive this driver
+            sink_opts["driver_lease"] = f"{self.lease.epoch}:{self.lease.ttl_s:g}"
         if job.checkpoint.min_pause_s:
             sink_opts["min_pause"] = str(job.checkpoint.min_pause_s)
         source = job.sink.data_source({**sink_opts, "checkpointlocation": self.url})

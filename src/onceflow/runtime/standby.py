@@ -28,6 +28,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from onceflow.spark import is_connect
+
 if TYPE_CHECKING:
     from onceflow.job import Job
 
@@ -97,7 +99,7 @@ def warm_up(spark, job: Job, go: str | None = None) -> float:
                     pass
             yield from batches
 
-        parallelism = max(1, spark.sparkContext.defaultParallelism)
+        parallelism = 2 if is_connect(spark) else max(1, spark.sparkContext.defaultParallelism)
         spark.range(0, parallelism, numPartitions=parallelism).mapInArrow(imports, "id long").collect()
     except Exception as e:  # noqa: BLE001 - a failed warm-up only costs time at takeover
         log.warning("standby warm-up incomplete (%s); the takeover will start colder", e)

@@ -63,6 +63,7 @@ from onceflow.runtime.driver import (
 )
 from onceflow.runtime.restart import RestartStrategy, parse
 from onceflow.runtime.standby import GO_ENV
+from onceflow.spark import REMOTE_ENV
 
 if TYPE_CHECKING:
     from onceflow.job import Job
@@ -128,6 +129,8 @@ def apply_overrides(job: Job, environ: Mapping[str, str] | None = None) -> Job:
         job.restart_strategy = parse(environ[RESTART_STRATEGY_ENV])
     if environ.get(MASTER_ENV):
         job.master = environ[MASTER_ENV]
+    if environ.get(REMOTE_ENV):
+        job.remote = environ[REMOTE_ENV]
     return job
 
 

@@ -98,11 +98,14 @@ def _norm(name: str | None) -> str | None:
 def job_operators(spark, job: Job, context: RestoreContext | None = None) -> dict[int, str]:
     """Stateful operators of ``job``'s query (id -> plan node name), from Spark's planner
     (the job's source and transform are called with ``context``: a plan is built, not run)."""
-    from onceflow.spark import register_all
+    from onceflow.spark import is_connect, register_all
 
     register_all(spark)
     df = job.dataframe(spark, context or RestoreContext("restored"))
-    plan = spark._jvm.PythonSQLUtils.explainString(df._jdf.queryExecution(), "simple")
+    if is_connect(spark):
+        plan = df._explain_string(mode="simple")
+    else:
+        plan = spark._jvm.PythonSQLUtils.explainString(df._jdf.queryExecution(), "simple")
     ops: dict[int, str] = {}
     for line in plan.splitlines():
         m = re.search(r"opId = (\d+)", line)
@@ -357,6 +360,12 @@ def remove_if_only_onceflow(checkpoint_url: str) -> bool:
 
 
 def _repartition(spark, url: str, partitions: int) -> None:
+    from onceflow.spark import is_connect
+
+    if spark is not None and is_connect(spark):
+        raise SavepointError("--rescale needs a classic Spark session: Spark 4.3 does not offer its "
+                             "offline state repartition over Spark Connect. Restore with --rescale "
+                             "once without --remote (a local master is enough), then run over Connect")
     try:
         spark._streamingCheckpointManager.repartition(url, partitions)
     except Exception as e:  # noqa: BLE001 - Py4J carries Spark's error class in the text

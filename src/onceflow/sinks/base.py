@@ -41,6 +41,7 @@ from pyspark.sql.types import StructType
 
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.checkpoint.lease import check_driver_lease
 from onceflow.errors import CheckpointError, ConfigError, FencedError, FingerprintMismatch
 from onceflow.faults import maybe_crash, maybe_slow
 
@@ -54,6 +55,8 @@ COMMON_OPTIONS = {
     "epoch": "fencing epoch of this driver for (sink, lineage), from open(); set by Job.run",
     "allow_unknown_fingerprint": "true: commit batches whose offsets/N cannot be read (unsafe for forks)",
     "min_pause": "seconds to wait after each batch's commit before the next batch",
+    "driver_lease": "EPOCH:TTL_S of the driver's lease; commits stop once it lapses (set by Job.run "
+                    "over Spark Connect, where a query outlives its driver)",
     "test_crash_at": "tests only: fault injection rule, see onceflow.faults",
     "test_crash_markers": "tests only: directory recording fired fault rules",
 }
@@ -346,6 +349,9 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
     def commit(self, messages: list, batchId: int) -> None:
         started = time.monotonic()
         ckpt = self._checkpoint()
+        if self.sink.opts.get("driver_lease") and ckpt is not None:
+            epoch, _, ttl = self.sink.opts["driver_lease"].partition(":")
+            check_driver_lease(ckpt.url, int(epoch), float(ttl))
         lineage = self._lineage(ckpt, messages)
         fingerprint = self._fingerprint(ckpt, batchId)
         present = [m for m in messages if m is not None]
