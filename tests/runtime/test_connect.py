@@ -16,7 +16,6 @@ import pytest
 
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.verify.exactly_once import check_delta_table
-
 from spark_cluster import free_port
 from spark_connect import ConnectServer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from test_runner import CrashingDeltaSink, seq
 
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import ConfigError
@@ -13,8 +14,6 @@ from onceflow.runtime.context import RestoreContext, call
 from onceflow.runtime.restart import fixed_delay
 from onceflow.sinks.delta import DeltaSink
 from onceflow.verify.exactly_once import check_delta_table
-
-from test_runner import CrashingDeltaSink, seq
 
 
 def test_fresh_then_restarted_in_process_then_resumed(spark, tmp_path):

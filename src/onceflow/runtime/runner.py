@@ -31,8 +31,6 @@ from fsspec.core import url_to_fs
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
-from onceflow.runtime.context import RestoreContext, checkpoint_context
-from onceflow.spark import is_connect
 from onceflow.errors import (
     BY_NAME,
     CheckpointError,
@@ -41,6 +39,8 @@ from onceflow.errors import (
     JvmDied,
     OnceflowError,
 )
+from onceflow.runtime.context import RestoreContext, checkpoint_context
+from onceflow.spark import is_connect
 
 if TYPE_CHECKING:
     from onceflow.job import Job
