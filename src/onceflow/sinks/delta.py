@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
@@ -46,6 +48,8 @@ from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
 
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
+_TABLES: dict[str, DeltaTable] = {}  # per process: see DeltaDataSource._table
+_TABLES_LOCK = threading.Lock()
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
 _FILE = re.compile(
     r"^part-of-(?P<lineage>[0-9a-f-]{36})(?:-e(?P<epoch>\d+))?-b(?P<batch>\d+)-p(?P<part>\d+)"
@@ -100,10 +104,33 @@ class DeltaDataSource(TwoPhaseCommitSink):
         return f"onceflow-{self.sink_id}-{lineage}-epoch"
 
     def _table(self) -> DeltaTable | None:
-        try:
-            return DeltaTable(self.table_url)
-        except TableNotFoundError:
-            return None
+        """The table at its latest version, or None when it does not exist yet.
+
+        Loaded once per process and then brought up to date incrementally (only the log
+        entries since the last look are read), as long as the version it holds is still in
+        the log; otherwise loaded afresh. Every decision is still checked against, and
+        committed on top of, the snapshot this returns (see :meth:`decide`)."""
+        with _TABLES_LOCK:
+            table = _TABLES.get(self.table_url)
+            if table is not None:
+                try:
+                    if self._log_has(table.version()):
+                        table.update_incremental()
+                        return table
+                except Exception:  # noqa: BLE001 - any doubt: load it afresh
+                    pass
+                _TABLES.pop(self.table_url, None)
+            try:
+                table = DeltaTable(self.table_url)
+            except TableNotFoundError:
+                return None
+            _TABLES[self.table_url] = table
+            return table
+
+    def _log_has(self, version: int) -> bool:
+        """The log entry of ``version`` still exists (the table was not replaced under us)."""
+        fs, path = self._fs()
+        return fs.exists(f"{path}/_delta_log/{version:020d}.json")
 
     def _fs(self):
         return url_to_fs(self.table_url)
@@ -175,16 +202,19 @@ class DeltaDataSource(TwoPhaseCommitSink):
         full = f"{path}/{name}"
         fs.makedirs(path, exist_ok=True)
         with fs.open(full, "wb") as f:
-            writer = pq.ParquetWriter(f, arrow_schema, compression="snappy")
+            writer = None
             try:
                 for batch in batches:
                     if batch.num_rows:
-                        writer.write_batch(
-                            batch.cast(arrow_schema) if batch.schema != arrow_schema else batch,
-                            row_group_size=self.row_group_rows,
-                        )
+                        batch = batch.cast(arrow_schema) if batch.schema != arrow_schema else batch
+                        if writer is None:
+                            writer = pq.ParquetWriter(f, arrow_schema, compression="snappy",
+                                                      use_dictionary=_dictionary_columns(batch))
+                        writer.write_batch(batch, row_group_size=self.row_group_rows)
                         rows += batch.num_rows
             finally:
+                if writer is None:  # no rows: a valid, empty file (complete mode keeps it)
+                    writer = pq.ParquetWriter(f, arrow_schema, compression="snappy")
                 writer.close()
         if rows == 0 and not overwrite:
             fs.rm(full)
@@ -402,6 +432,24 @@ def _commit_meta(table: DeltaTable, lineage: str, batch_id: int) -> dict | None:
             if meta and meta.get("lineage") == lineage and meta.get("batch") == batch_id:
                 return meta
     return None
+
+
+def _dictionary_columns(batch: pa.RecordBatch, sample: int = 10_000) -> list[str] | bool:
+    """Columns worth dictionary-encoding, judged on the first rows: those with few distinct
+    values. A column of mostly unique values (ids, timestamps) would be dictionary-encoded
+    until the dictionary page fills and then fall back: twice the encoding work for a larger
+    file. Nested schemas keep Parquet's default (every column)."""
+    if any(pa.types.is_nested(f.type) for f in batch.schema):
+        return True
+    head = batch.slice(0, sample)
+    keep = []
+    for name, column in zip(head.schema.names, head.columns, strict=True):
+        try:
+            if pc.count_distinct(column).as_py() <= 0.3 * len(column):
+                keep.append(name)
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+            keep.append(name)
+    return keep
 
 
 def _compatible(a: pa.DataType, b: pa.DataType) -> bool:
