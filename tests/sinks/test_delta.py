@@ -149,6 +149,55 @@ def test_decision_found_beyond_recent_history_and_cleanup_keeps_committed_files(
     assert DeltaTable(str(path)).to_pyarrow_table().num_rows == 213
 
 
+def test_a_table_replaced_under_the_cached_one_is_read_afresh(tmp_path):
+    """The sink keeps the table loaded per process and reads only new log entries; a table
+    deleted and created again at the same URL (another log) must not be read through the
+    old state: batch 1 decided in the old table is undecided in the new one."""
+    import uuid
+
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from onceflow.sinks.base import Decision
+    from onceflow.sinks.delta import DeltaDataSource
+
+    path = tmp_path / "table"
+    lineage = str(uuid.uuid4())
+    ds = DeltaDataSource({"path": str(path)})
+    ds.write_schema = StructType([StructField("id", LongType())])
+    epoch = ds.open(lineage)
+    for b in range(3):
+        ds.decide(Decision(lineage, b, f"fp-{b}", [], epoch), ds.write_schema, False)
+    assert ds.is_decided(lineage, 1)
+    shutil.rmtree(path)
+    for i in range(2):  # a new table with a shorter log than the old one
+        write_deltalake(str(path), pa.table({"id": pa.array([i], pa.int64())}), mode="append")
+    assert not ds.is_decided(lineage, 1) and ds.decision(lineage, 1) is None
+    assert ds.open(lineage) == 1  # a new table: its first epoch
+
+
+def test_only_columns_with_few_distinct_values_are_dictionary_encoded(tmp_path):
+    """A unique id column is written plain (dictionary-encoding it first and falling back
+    doubled the encoding work); a low-cardinality column keeps its dictionary."""
+    import pyarrow.parquet as pq
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from onceflow.sinks.base import TaskInfo
+    from onceflow.sinks.delta import DeltaDataSource
+
+    ds = DeltaDataSource({"path": str(tmp_path / "t")})
+    schema = StructType([StructField("id", LongType()), StructField("k", LongType())])
+    n = 200_000
+    batches = pa.table({"id": pa.array(range(n), pa.int64()),
+                        "k": pa.array([i % 100 for i in range(n)], pa.int64())}).to_batches(10_000)
+    handle, rows = ds.pre_commit(TaskInfo("0" * 36, 0, 0, 0), schema, False, iter(batches))
+    assert rows == n
+    meta = pq.ParquetFile(tmp_path / "t" / handle["path"]).metadata.row_group(0)
+    encodings = {meta.column(i).path_in_schema: meta.column(i).encodings for i in range(2)}
+    assert not any("DICTIONARY" in e for e in encodings["id"]), encodings
+    assert any("DICTIONARY" in e for e in encodings["k"]), encodings
+    assert pq.read_table(tmp_path / "t" / handle["path"]).equals(pa.Table.from_batches(batches))
+
+
 def test_bad_input_is_refused_with_nothing_written(spark, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
