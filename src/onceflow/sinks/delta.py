@@ -28,7 +28,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +37,13 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, create_table_with_add_actions
-from fsspec.core import url_to_fs
 from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
 from pyspark.sql.types import StructType
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.storage import as_options, delta_target, normalize_url, resolve, url_to_fs
 
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
@@ -78,11 +78,16 @@ class DeltaDataSource(TwoPhaseCommitSink):
         "sink_id": "name of this sink within the job, part of the app id (default 'delta')",
         "mode": "append or complete (replace the table each batch); default: the query's output mode",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
+        "storage_options": "JSON object of object-store options, fsspec or delta-rs keys "
+                           "(default: the job's, else ONCEFLOW_STORAGE_OPTIONS; docs/object-stores.md)",
     }
 
     def __init__(self, options):
         super().__init__(options)
-        self.table_url = self.opts["path"].rstrip("/")
+        self.table_url = normalize_url(self.opts["path"].rstrip("/"))
+        self.storage_options = as_options(self.opts.get("storage_options") or None,
+                                          "onceflow-delta: option storage_options")
+        self._delta_url, self._delta_opts = delta_target(self.table_url, self.storage_options)
         self.sink_id = self.opts.get("sink_id", "delta")
         mode = self.opts.get("mode") or None
         if mode not in (None, "append", "complete"):
@@ -101,12 +106,12 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def _table(self) -> DeltaTable | None:
         try:
-            return DeltaTable(self.table_url)
+            return DeltaTable(self._delta_url, storage_options=self._delta_opts)
         except TableNotFoundError:
             return None
 
     def _fs(self):
-        return url_to_fs(self.table_url)
+        return url_to_fs(self.table_url, self.storage_options)
 
     # ---- validation -----------------------------------------------------------------
 
@@ -225,8 +230,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         raise ConfigError(f"onceflow-delta: {self.table_url} does not exist and the "
                                           "stream's schema is unknown; start the query to create it")
                     create_table_with_add_actions(
-                        self.table_url, _delta_schema(to_arrow_schema(self.write_schema)), [],
-                        mode="append", commit_properties=props)
+                        self._delta_url, _delta_schema(to_arrow_schema(self.write_schema)), [],
+                        mode="append", storage_options=self._delta_opts, commit_properties=props)
                 else:
                     table.create_write_transaction([], "append", pa.schema(table.schema().to_arrow()),
                                                    commit_properties=props)
@@ -426,17 +431,27 @@ class DeltaSink(Sink):
 
     ``path``: table URL; ``mode``: ``append`` or ``complete`` (default: follow the query's
     output mode; a mode that contradicts it is refused); ``sink_id`` distinguishes two Delta
-    sinks of one job writing the same table.
+    sinks of one job writing the same table. ``storage_options``: object-store options for this
+    table (fsspec or delta-rs keys, docs/object-stores.md); default: the job's, else
+    ``ONCEFLOW_STORAGE_OPTIONS``. They reach the executors as the ``storage_options`` option
+    (JSON; Spark redacts option values that look secret in plans and the UI).
     """
 
     path: str
     mode: str | None = None
     sink_id: str = "delta"
+    storage_options: Mapping[str, Any] | None = None
 
     format_name = "onceflow-delta"
+
+    def __post_init__(self) -> None:
+        self.storage_options = as_options(self.storage_options, "DeltaSink.storage_options")
 
     def options(self) -> dict[str, str]:
         opts = {"path": str(self.path), "sink_id": self.sink_id}
         if self.mode:
             opts["mode"] = self.mode
+        resolved = resolve(str(self.path), self.storage_options)  # executors have no job
+        if resolved:
+            opts["storage_options"] = json.dumps(resolved)
         return opts
