@@ -23,16 +23,8 @@ from onceflow.storage import StorageOptions, url_to_fs
 def test_two_contenders_race_for_one_epoch_and_exactly_one_wins(s3):
     ckpt = f"s3://{s3.bucket()}/ckpt"
     record = "/_onceflow/lease/000000000001.json"
-    arrived, both = [], threading.Event()
-
-    def hold_until_both_put(environ):  # both contenders have listed: both PUT epoch 1
-        if environ["REQUEST_METHOD"] == "PUT" and environ["PATH_INFO"].endswith(record):
-            arrived.append(1)
-            if len(arrived) >= 2:
-                both.set()
-            both.wait(10)
-
-    s3.hooks.append(hold_until_both_put)
+    # hold each PUT of epoch 1 until both contenders sent theirs: both listed before either wrote
+    s3.rule(kind="barrier", method="PUT", suffix=record, count=2)
     leases = [DriverLease(ckpt, "job", ttl_s=6, renew_s=0.3) for _ in range(2)]
     outcome: dict[int, object] = {}
 
@@ -47,8 +39,8 @@ def test_two_contenders_race_for_one_epoch_and_exactly_one_wins(s3):
         t.start()
     for t in threads:
         t.join(30)
-    s3.hooks.clear()
-    assert both.is_set(), "the two contenders did not race for the same epoch"
+    assert s3.rules[0]["arrived"] == 2, "the two contenders did not race for the same epoch"
+    s3.clear()
     won = [i for i, o in outcome.items() if isinstance(o, DriverLease)]
     lost = [o for o in outcome.values() if isinstance(o, FencedError)]
     assert len(won) == 1 and len(lost) == 1, outcome
