@@ -44,7 +44,7 @@ _S3 = (("key", "AWS_ACCESS_KEY_ID"), ("secret", "AWS_SECRET_ACCESS_KEY"),
        ("token", "AWS_SESSION_TOKEN"), ("endpoint_url", "AWS_ENDPOINT_URL"),
        ("client_kwargs.region_name", "AWS_REGION"), ("profile", "AWS_PROFILE"),
        ("anon", "AWS_SKIP_SIGNATURE"))
-_GCS = (("token", "GOOGLE_SERVICE_ACCOUNT"), ("endpoint_url", "GOOGLE_BASE_URL"))
+_GCS = (("token", "GOOGLE_SERVICE_ACCOUNT"),)  # gcsfs token as a path to a service-account JSON
 _AZURE = (("account_name", "AZURE_STORAGE_ACCOUNT_NAME"), ("account_key", "AZURE_STORAGE_ACCOUNT_KEY"),
           ("sas_token", "AZURE_STORAGE_SAS_TOKEN"), ("client_id", "AZURE_CLIENT_ID"),
           ("client_secret", "AZURE_CLIENT_SECRET"), ("tenant_id", "AZURE_TENANT_ID"))
@@ -54,6 +54,7 @@ _KEYS = {"s3": _S3, "gs": _GCS, "gcs": _GCS, "abfs": _AZURE, "abfss": _AZURE, "a
 def _is_delta_key(key: str) -> bool:
     """delta-rs (object_store) keys: ``AWS_*``/``GOOGLE_*``/``AZURE_*`` in any case, or upper case."""
     return bool(re.match(r"(?i)(?:aws|google|azure)_", key)) or (key.isupper() and key.replace("_", "").isalnum())
+
 
 _configured: dict[str, Any] | None = None
 
