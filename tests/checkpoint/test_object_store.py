@@ -160,3 +160,14 @@ def test_stop_request_on_s3_is_written_whole_and_taken_once(s3):
     assert stop_requested(ckpt)
     assert take_stop_request(ckpt)["savepoint"] is True and not stop_requested(ckpt)
     assert not [r for r in s3.requests if "stop_request" in r[1] and r[3]]  # one PUT, no rename
+
+
+def test_a_missing_filesystem_package_is_one_line_naming_the_extra():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['s3fs'] = None\n"
+            "from onceflow.storage import url_to_fs\n"
+            "try:\n    url_to_fs('s3a://b/k')\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip() == "ConfigError s3://b/k needs the s3fs package: pip install 'onceflow[s3]'"
