@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from s3_server import s3, s3_server  # noqa: F401 - fixtures: moto's S3 server (object-store tests)
+
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")

@@ -10,9 +10,9 @@ exhausted (bounded sources), a stop is requested, or the restart strategy gives 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from onceflow.durations import seconds
 from onceflow.errors import ConfigError, OnceflowError
@@ -94,6 +94,9 @@ class Job:
     spark_conf: dict[str, str] = field(default_factory=dict)
     #: stop once no data has been available for this many seconds (bounded inputs, demos, tests)
     stop_when_idle: float | None = None
+    #: options for object-store URLs (checkpoint's event log and lease, savepoints, sinks without
+    #: their own), fsspec or delta-rs keys; registered for the process (docs/object-stores.md)
+    storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.name or ""):
@@ -107,6 +110,10 @@ class Job:
             check_arity(self.transform, "Job.transform")
         if self.output_mode not in ("append", "complete", "update"):
             raise ConfigError(f"Job.output_mode {self.output_mode!r}: use append, complete or update")
+        if self.storage_options is not None:
+            from onceflow.storage import configure
+
+            self.storage_options = configure(self.storage_options)
 
     def dataframe(self, spark: SparkSession, context: RestoreContext | None = None) -> DataFrame:
         """The job's DataFrame: ``source`` then ``transform``, each given ``context`` when it
@@ -135,7 +142,7 @@ class Job:
                    if from_savepoint else None)
         absent = False
         if restore is not None:  # refuse a bad restore before anything is created on disk
-            from fsspec.core import url_to_fs
+            from onceflow.storage import url_to_fs
 
             fs, path = url_to_fs(self.checkpoint.directory)
             absent = not fs.exists(path)

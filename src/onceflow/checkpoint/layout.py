@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import fsspec
-from fsspec.core import url_to_fs
 
 from onceflow.errors import CheckpointError
+from onceflow.storage import url_to_fs
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,13 @@ makes the common cases (two ``onceflow run`` on one checkpoint, a successor taki
 dead driver) fast and clear.
 
 Layout: one record per holder, ``<checkpoint>/_onceflow/lease/<epoch>.json``, created with an
-exclusive create (``open(..., "xb")``: O_EXCL locally, a conditional put on object stores), so
-two drivers can never hold the same epoch. The holder is the record with the highest epoch.
-Each holder only ever rewrites its own record, so a renewal never overwrites a newer holder.
+exclusive create (``open(..., "xb")``: O_EXCL locally, a conditional put on object stores:
+s3fs sends ``If-None-Match: *`` and a store that already has the object answers 412, which
+s3fs raises as FileExistsError), so two drivers can never hold the same epoch. A filesystem
+that cannot create exclusively is refused (ConfigError), never used unsafely. The holder is
+the record with the highest epoch. Each holder only ever rewrites its own record, whole (a
+rename of a temporary file locally, one PUT on an object store; never an append or a rename
+there), so a renewal never overwrites a newer holder. Listings bypass fsspec's listings cache.
 
 * **acquire**: refused while the highest record's holder is alive (same host: its pid exists;
   other host: renewed within ``ttl_s``), unless ``takeover=True`` (the supervisor saw it die).
@@ -31,9 +35,8 @@ import threading
 import time
 import uuid
 
-from fsspec.core import url_to_fs
-
 from onceflow.errors import ConfigError, DriverLeaseLapsed, FencedError
+from onceflow.storage import url_to_fs, write_whole
 
 log = logging.getLogger("onceflow.lease")
 
@@ -73,6 +76,7 @@ class DriverLease:
         return f"{self.dir}/{epoch:012d}.json"
 
     def _epochs(self) -> list[int]:
+        self.fs.invalidate_cache(self.dir)  # another driver's record must be seen at once
         try:
             names = self.fs.ls(self.dir, detail=False)
         except FileNotFoundError:
@@ -182,10 +186,7 @@ class DriverLease:
                 if newer:
                     self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})")
                     return
-                tmp = f"{self._path(self.epoch or 0)}.{uuid.uuid4().hex[:8]}"
-                with self.fs.open(tmp, "w") as f:
-                    json.dump(self._record(), f)
-                self.fs.mv(tmp, self._path(self.epoch or 0))
+                write_whole(self.fs, self._path(self.epoch or 0), json.dumps(self._record()).encode())
                 last_ok = time.monotonic()
             except OSError as e:
                 if time.monotonic() - last_ok > self.ttl_s:

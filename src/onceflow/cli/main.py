@@ -28,7 +28,13 @@ class _Main(click.Group):
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="onceflow")
 def main() -> None:
-    """Exactly-once machinery for PySpark Structured Streaming."""
+    """Exactly-once machinery for PySpark Structured Streaming.
+
+    Object stores (s3://, s3a://, gs://, abfs://): every command reads its storage options
+    from ONCEFLOW_STORAGE_OPTIONS, a JSON object of fsspec or delta-rs keys, e.g.
+    '{"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}'
+    (docs/object-stores.md); credentials come best from the usual AWS_* variables.
+    """
 
 
 # One line per command.

@@ -8,7 +8,6 @@ import os
 import sys
 
 import click
-from fsspec.core import url_to_fs
 
 from onceflow.cli.savepoint import restore_env_for_run, restore_options
 from onceflow.errors import OnceflowError
@@ -25,6 +24,7 @@ from onceflow.runtime.supervisor import (
 from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV, SAVEPOINT_ON_STOP_ENV
 from onceflow.savepoint.restore import remove_if_only_onceflow
 from onceflow.spark import REMOTE_ENV, SPARK_CONF_ENV, cli_conf, parse_conf
+from onceflow.storage import url_to_fs
 
 
 @click.command("run")

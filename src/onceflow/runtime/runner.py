@@ -26,8 +26,6 @@ import uuid
 from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
-from fsspec.core import url_to_fs
-
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
@@ -41,6 +39,7 @@ from onceflow.errors import (
 )
 from onceflow.runtime.context import RestoreContext, checkpoint_context
 from onceflow.spark import is_connect
+from onceflow.storage import url_to_fs
 
 if TYPE_CHECKING:
     from onceflow.job import Job

@@ -29,8 +29,6 @@ import zipfile
 from collections import defaultdict
 from importlib.metadata import PackageNotFoundError, version
 
-from fsspec.core import url_to_fs
-
 from onceflow import __version__
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
@@ -45,6 +43,7 @@ from onceflow.savepoint.manifest import (
     StateOperator,
 )
 from onceflow.savepoint.transfer import copy_tree
+from onceflow.storage import url_to_fs
 
 log = logging.getLogger("onceflow.savepoint")
 

@@ -9,10 +9,10 @@ checkpoint for the saved batch).
 from __future__ import annotations
 
 import pyarrow.parquet as pq
-from fsspec.core import url_to_fs
 
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.savepoint.manifest import DATA_DIR, SavepointError, is_savepoint, read_manifest
+from onceflow.storage import url_to_fs
 
 
 def state_location(url: str) -> tuple[str, int | None]:

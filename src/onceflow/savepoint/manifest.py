@@ -23,9 +23,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fsspec.core import url_to_fs
-
 from onceflow.errors import OnceflowError
+from onceflow.storage import url_to_fs
 
 FORMAT_VERSION = 1
 MANIFEST = "_savepoint.json"

@@ -11,8 +11,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from fsspec.core import url_to_fs
-
 from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.savepoint.create import (
@@ -29,6 +27,7 @@ from onceflow.savepoint.manifest import (
     read_manifest,
 )
 from onceflow.savepoint.transfer import sha256_of
+from onceflow.storage import url_to_fs, write_whole
 
 log = logging.getLogger("onceflow.savepoint")
 
@@ -167,9 +166,8 @@ def _write_request(url: str, savepoint: bool, target: str | None) -> str:
     fs, path = url_to_fs(f"{url}/{STOP_REQUEST}")
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     rid = uuid.uuid4().hex
-    with fs.open(f"{path}.tmp", "w") as f:
-        json.dump({"id": rid, "ts": round(time.time(), 3), "savepoint": savepoint, "target": target}, f)
-    fs.mv(f"{path}.tmp", path)
+    write_whole(fs, path, json.dumps({"id": rid, "ts": round(time.time(), 3), "savepoint": savepoint,
+                                      "target": target}).encode())
     return rid
 
 

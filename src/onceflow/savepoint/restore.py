@@ -30,13 +30,12 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fsspec.core import url_to_fs
-
 from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.runtime.context import RestoreContext
 from onceflow.savepoint.manifest import DATA_DIR, Manifest, SavepointError, read_manifest
 from onceflow.savepoint.transfer import Copied, copy_tree
+from onceflow.storage import url_to_fs
 
 if TYPE_CHECKING:
     from onceflow.job import Job

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,16 +39,16 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, create_table_with_add_actions
-from fsspec.core import url_to_fs
 from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
 from pyspark.sql.types import StructType
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.storage import as_options, delta_target, normalize_url, resolve, url_to_fs
 
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
-_TABLES: dict[str, DeltaTable] = {}  # per process: see DeltaDataSource._table
+_TABLES: dict[tuple[str, str], DeltaTable] = {}  # per process: see DeltaDataSource._table
 _TABLES_LOCK = threading.Lock()
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
 _FILE = re.compile(
@@ -82,11 +82,16 @@ class DeltaDataSource(TwoPhaseCommitSink):
         "sink_id": "name of this sink within the job, part of the app id (default 'delta')",
         "mode": "append or complete (replace the table each batch); default: the query's output mode",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
+        "storage_options": "JSON object of object-store options, fsspec or delta-rs keys "
+                           "(default: the job's, else ONCEFLOW_STORAGE_OPTIONS; docs/object-stores.md)",
     }
 
     def __init__(self, options):
         super().__init__(options)
-        self.table_url = self.opts["path"].rstrip("/")
+        self.table_url = normalize_url(self.opts["path"].rstrip("/"))
+        self.storage_options = as_options(self.opts.get("storage_options") or None,
+                                          "onceflow-delta: option storage_options")
+        self._delta_url, self._delta_opts = delta_target(self.table_url, self.storage_options)
         self.sink_id = self.opts.get("sink_id", "delta")
         mode = self.opts.get("mode") or None
         if mode not in (None, "append", "complete"):
@@ -110,8 +115,9 @@ class DeltaDataSource(TwoPhaseCommitSink):
         entries since the last look are read), as long as the version it holds is still in
         the log; otherwise loaded afresh. Every decision is still checked against, and
         committed on top of, the snapshot this returns (see :meth:`decide`)."""
+        key = (self._delta_url, json.dumps(self._delta_opts, sort_keys=True, default=str))
         with _TABLES_LOCK:
-            table = _TABLES.get(self.table_url)
+            table = _TABLES.get(key)
             if table is not None:
                 try:
                     if self._log_has(table.version()):
@@ -119,12 +125,12 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         return table
                 except Exception:  # noqa: BLE001 - any doubt: load it afresh
                     pass
-                _TABLES.pop(self.table_url, None)
+                _TABLES.pop(key, None)
             try:
-                table = DeltaTable(self.table_url)
+                table = DeltaTable(self._delta_url, storage_options=self._delta_opts)
             except TableNotFoundError:
                 return None
-            _TABLES[self.table_url] = table
+            _TABLES[key] = table
             return table
 
     def _log_has(self, version: int) -> bool:
@@ -133,7 +139,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         return fs.exists(f"{path}/_delta_log/{version:020d}.json")
 
     def _fs(self):
-        return url_to_fs(self.table_url)
+        return url_to_fs(self.table_url, self.storage_options)
 
     # ---- validation -----------------------------------------------------------------
 
@@ -255,8 +261,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         raise ConfigError(f"onceflow-delta: {self.table_url} does not exist and the "
                                           "stream's schema is unknown; start the query to create it")
                     create_table_with_add_actions(
-                        self.table_url, _delta_schema(to_arrow_schema(self.write_schema)), [],
-                        mode="append", commit_properties=props)
+                        self._delta_url, _delta_schema(to_arrow_schema(self.write_schema)), [],
+                        mode="append", storage_options=self._delta_opts, commit_properties=props)
                 else:
                     table.create_write_transaction([], "append", pa.schema(table.schema().to_arrow()),
                                                    commit_properties=props)
@@ -474,17 +480,27 @@ class DeltaSink(Sink):
 
     ``path``: table URL; ``mode``: ``append`` or ``complete`` (default: follow the query's
     output mode; a mode that contradicts it is refused); ``sink_id`` distinguishes two Delta
-    sinks of one job writing the same table.
+    sinks of one job writing the same table. ``storage_options``: object-store options for this
+    table (fsspec or delta-rs keys, docs/object-stores.md); default: the job's, else
+    ``ONCEFLOW_STORAGE_OPTIONS``. They reach the executors as the ``storage_options`` option
+    (JSON; Spark redacts option values that look secret in plans and the UI).
     """
 
     path: str
     mode: str | None = None
     sink_id: str = "delta"
+    storage_options: Mapping[str, Any] | None = None
 
     format_name = "onceflow-delta"
+
+    def __post_init__(self) -> None:
+        self.storage_options = as_options(self.storage_options, "DeltaSink.storage_options")
 
     def options(self) -> dict[str, str]:
         opts = {"path": str(self.path), "sink_id": self.sink_id}
         if self.mode:
             opts["mode"] = self.mode
+        resolved = resolve(str(self.path), self.storage_options)  # executors have no job
+        if resolved:
+            opts["storage_options"] = json.dumps(resolved)
         return opts

@@ -85,7 +85,7 @@ def decode_values(
 
 
 def _write_dead_letter(root: str, cols: dict, i: int, error: Exception) -> None:
-    from fsspec.core import url_to_fs
+    from onceflow.storage import url_to_fs
 
     topic, partition, offset = cols["topic"][i], cols["partition"][i], cols["offset"][i]
     key, value = cols.get("key", [None] * (i + 1))[i], cols["value"][i]
@@ -103,7 +103,7 @@ def _write_dead_letter(root: str, cols: dict, i: int, error: Exception) -> None:
 
 def read_dead_letters(root: str) -> list[dict]:
     """Every dead-lettered record under ``root`` (sorted by topic, partition, offset)."""
-    from fsspec.core import url_to_fs
+    from onceflow.storage import url_to_fs
 
     fs, path = url_to_fs(root)
     if not fs.exists(path):

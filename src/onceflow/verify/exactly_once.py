@@ -64,13 +64,16 @@ def check_running_counts(table: pa.Table) -> int:
     return int(np.count_nonzero(rank != counts))
 
 
-def check_delta_table(path: str, expected: int) -> Report:
+def check_delta_table(path: str, expected: int, storage_options: dict | None = None) -> Report:
     """Read a Delta table with delta-rs and check its ``id`` column (and running counts)."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
+    from onceflow.storage import delta_target
+
+    url, options = delta_target(path, storage_options)
     try:
-        table = DeltaTable(path).to_pyarrow_table()
+        table = DeltaTable(url, storage_options=options).to_pyarrow_table()
     except TableNotFoundError:  # nothing was ever committed
         return check_ids(np.empty(0, dtype=np.int64), expected)
     report = check_ids(table.column("id").to_numpy(), expected)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import uuid
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -69,13 +68,13 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         configuration, as Spark's Kafka source keeps it in ``sources/0``, so a replayed batch 0
         reads the same range even for 'latest'.
 
-        The file is written to a temporary name and renamed. An unreadable one (torn by a crash
+        The file is replaced whole (``onceflow.storage.write_whole``). An unreadable one (torn by a crash
         of an older version mid-write) counts as absent: Spark writes ``offsets/0`` only after
         this method returned, so no batch can have been planned from it."""
         saved = self._initial_path()
         if saved is None:
             return self._initial()
-        from fsspec.core import url_to_fs
+        from onceflow.storage import url_to_fs, write_whole
 
         fs, path = url_to_fs(saved)
         ident = self._identity()
@@ -90,10 +89,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             log.warning("%s: %s is unreadable (%s); computing the initial offsets again", NAME, saved, e)
         offsets = self._initial()
         fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-        with fs.open(tmp, "w") as f:
-            json.dump({"source": ident, "offsets": offsets}, f)
-        fs.mv(tmp, path)
+        write_whole(fs, path, json.dumps({"source": ident, "offsets": offsets}).encode())
         return offsets
 
     def _initial_path(self) -> str | None:

@@ -1,0 +1,149 @@
+"""The Delta sink on S3 (moto's server) with another delta-rs writer on the same table.
+
+Without the object-store changes these fail at the first table access: neither
+``DeltaSink(storage_options=...)`` nor ``Job(storage_options=...)`` existed, and no
+``DeltaTable()``/``url_to_fs()`` call took options, so delta-rs and s3fs went to AWS instead of
+the test server; ``s3a://`` table URLs were not understood by fsspec either.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import uuid
+
+import pyarrow as pa
+import pyarrow.parquet as pq  # noqa: F401 - the sink writes Parquet
+import pytest
+from deltalake import DeltaTable, write_deltalake
+from pyspark.sql.types import LongType, StructField, StructType
+
+from onceflow import storage
+from onceflow.job import CheckpointConfig, Job
+from onceflow.runtime.restart import fixed_delay
+from onceflow.sinks.base import Decision, TaskInfo
+from onceflow.sinks.delta import DeltaDataSource, DeltaSink
+
+
+def _table(url: str, options: dict) -> DeltaTable:
+    target, delta_opts = storage.delta_target(url, options)
+    return DeltaTable(target, storage_options=delta_opts)
+
+
+def _other_writer_append(url: str, options: dict, ids: list[int]) -> None:
+    target, delta_opts = storage.delta_target(url, options)
+    write_deltalake(target, pa.table({"id": pa.array(ids, pa.int64())}), mode="append",
+                    storage_options=delta_opts)
+
+
+def _other_writer_command(url: str, options: dict, ids: list[int]) -> list[str]:
+    """The same, as a command for the server to run."""
+    code = ("import json, sys, pyarrow as pa; from deltalake import write_deltalake; "
+            "from onceflow.storage import delta_target; a = json.loads(sys.argv[1]); "
+            "t, o = delta_target(a['url'], a['options']); "
+            "write_deltalake(t, pa.table({'id': pa.array(a['ids'], pa.int64())}), mode='append', storage_options=o)")
+    return [sys.executable, "-c", code, json.dumps({"url": url, "options": options, "ids": ids})]
+
+
+def _batch(ds: DeltaDataSource, lineage: str, batch: int, ids: list[int]) -> Decision:
+    schema = StructType([StructField("id", LongType())])
+    rb = pa.record_batch([pa.array(ids, pa.int64())], names=["id"])
+    handle, rows = ds.pre_commit(TaskInfo(lineage, batch, 0, 0), schema, False, iter([rb]))
+    assert rows == len(ids)
+    return Decision(lineage, batch, f"fp-{batch}", [handle], ds.epoch)
+
+
+def test_a_concurrent_writer_committing_first_during_a_decision_and_between_batches(s3):
+    url = f"s3://{s3.bucket()}/table"
+    opts = s3.options
+    ds = DeltaDataSource({"path": url, "storage_options": json.dumps(opts)})
+    schema = StructType([StructField("id", LongType())])
+    ds.write_schema = schema
+    lineage = str(uuid.uuid4())
+    ds.open(lineage)
+    first = _batch(ds, lineage, 1, [1, 2, 3])
+
+    # when onceflow's conditional PUT of the next log version arrives, another delta-rs writer
+    # (another process) commits that very version first
+    s3.rule(kind="before", method="PUT", contains="/table/_delta_log/0", if_none_match="*",
+            command=_other_writer_command(url, opts, [-1, -2]))
+    ds.decide(first, schema, False)
+    assert s3.rules[0].get("fired")
+    log_puts = [r for r in s3.requests if r[0] == "PUT" and "/table/_delta_log/0" in r[1]]
+    assert "412" in [r[4] for r in log_puts]  # onceflow lost that version to the other writer...
+    table = _table(url, opts)
+    assert table.transaction_version(ds.app_id(lineage)) == 1  # ...and committed on top of it
+    assert sorted(table.to_pyarrow_table()["id"].to_pylist()) == [-2, -1, 1, 2, 3]
+
+    _other_writer_append(url, opts, [-3])  # between batches
+    second = _batch(ds, lineage, 2, [4, 5])
+    ds.decide(second, schema, False)
+    ds.commit(second)
+    version = _table(url, opts).version()
+    ds.decide(second, schema, False)  # a replay of the decided batch writes nothing
+    assert _table(url, opts).version() == version
+    found = ds.decision(lineage, 2)
+    assert found is not None and found.fingerprint == "fp-2"
+    assert ds.recover(lineage) == {"orphans_removed": 0}
+    ids = _table(url, opts).to_pyarrow_table()["id"].to_pylist()
+    assert sorted(ids) == [-3, -2, -1, 1, 2, 3, 4, 5]  # each once, the other writer's rows kept
+
+
+def test_spark_job_to_delta_on_s3a_exactly_once_beside_a_concurrent_writer(spark, s3_server, tmp_path, monkeypatch):
+    """A real query; the storage options come only from ``Job(storage_options=...)`` (no
+    environment variable), so they must travel with the sink's options to the executors."""
+    monkeypatch.delenv("ONCEFLOW_STORAGE_OPTIONS", raising=False)
+    s3_server.clear()
+    url = f"s3a://{s3_server.bucket()}/orders"  # what Spark users write
+    opts = s3_server.options
+    total = 2000
+
+    def source(sp):
+        return (sp.readStream.format("onceflow-sequence").option("total", total)
+                .option("rows_per_second", 10_000_000).option("max_rows_per_batch", 1000).load())
+
+    job = Job(name="s3e2e", source=source, sink=DeltaSink(url),
+              checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), interval=0),
+              restart_strategy=fixed_delay(attempts=2, delay=0), stop_when_idle=1.0,
+              storage_options=opts)
+    assert "testing" not in repr(job) and "testing" not in repr(job.storage_options)
+    done, appended = threading.Event(), []
+
+    def concurrent_writer():
+        target, delta_opts = storage.delta_target(url, opts)
+        while not done.is_set():
+            try:
+                schema = DeltaTable(target, storage_options=delta_opts).schema().to_arrow()
+            except Exception:  # noqa: BLE001 - the sink has not created the table yet
+                time.sleep(0.1)
+                continue
+            k = len(appended) + 1
+            write_deltalake(target, pa.table({"id": [-k], "key": [-1], "event_time": [None]},
+                                             schema=pa.schema(schema)), mode="append",
+                            storage_options=delta_opts)
+            appended.append(-k)
+            time.sleep(0.5)
+
+    writer = threading.Thread(target=concurrent_writer, daemon=True)
+    writer.start()
+    try:
+        job.run(spark=spark)
+    finally:
+        done.set()
+        writer.join(30)
+        storage.configure(None)
+    ids = _table(url, opts).to_pyarrow_table()["id"].to_pylist()
+    mine = sorted(i for i in ids if i >= 0)
+    assert mine == list(range(total))  # every id exactly once
+    assert appended and sorted(i for i in ids if i < 0) == sorted(appended)  # the other writer's rows stay
+    assert not any(r[3] for r in s3_server.requests if "/orders/" in r[1])  # never a copy (rename)
+
+
+@pytest.mark.parametrize("bad", ['{"endpoint_url": ', '["not", "a", "mapping"]'])
+def test_bad_storage_options_are_one_clear_line(bad):
+    from onceflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="storage_options"):
+        DeltaDataSource({"path": "s3://b/t", "storage_options": bad})
