@@ -17,7 +17,8 @@ def _offsets(offsets: list) -> str:
 @click.argument("checkpoint_dir")
 @click.option("--limit", default=20, show_default=True, help="How many recent batches (0: all).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def checkpoints(checkpoint_dir: str, limit: int, as_json: bool) -> None:
+@click.option("--chart", metavar="FILE.png", help="Also draw batch durations, rows and restarts over time.")
+def checkpoints(checkpoint_dir: str, limit: int, as_json: bool, chart: str | None) -> None:
     """Recent batches of CHECKPOINT_DIR (time, duration, rows, offsets, state, sink commit),
     then recent restarts with where each spent its time (driver ready, sink recovered, query
     started, first batch planned, first commit)."""
@@ -29,7 +30,11 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool) -> None:
     from onceflow.checkpoint.restarts import restart_table, restarts
 
     rows = batch_history(checkpoint_dir, limit or None)
-    recent = restarts(EventLog(checkpoint_dir).read())
+    events = list(EventLog(checkpoint_dir).read())
+    recent = restarts(events)
+    if chart:
+        drawn = _chart(batch_history(checkpoint_dir, None), events, chart, checkpoint_dir)
+        click.echo(f"chart {chart}: {drawn} batches", err=True)
     recent = recent[-limit:] if limit else recent
     if as_json:
         click.echo(json.dumps([r.to_dict() for r in rows], indent=1, default=str))
@@ -55,6 +60,41 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool) -> None:
     console.print(table)
     if recent:
         console.print(restart_table(recent))
+
+
+def _chart(rows: list, events: list[dict], path: str, title: str) -> int:
+    """Batch duration and input rows over time (one point per batch run that logged its
+    progress), a vertical line per restart (red: driver process, orange: query in the driver)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = sorted((r for r in rows if r.time is not None), key=lambda r: r.time)
+    if not done:
+        raise click.ClickException(f"no batch progress in the event log of {title}: nothing to draw")
+    t0 = min([done[0].time] + [e["ts"] for e in events if e.get("event") == "restart"])
+    ts = [r.time - t0 for r in done]
+    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(11, 6))
+    top.plot(ts, [r.duration_ms or 0 for r in done], ".-", color="tab:blue", lw=0.8)
+    top.set_ylabel("batch duration (ms)")
+    bottom.bar(ts, [r.input_rows or 0 for r in done], width=0.8, color="tab:green")
+    bottom.set_ylabel("input rows per batch")
+    bottom.set_xlabel("seconds since the first batch or restart shown")
+    for e in events:
+        if e.get("event") == "restart":
+            color = "tab:red" if e.get("scope") == "process" else "tab:orange"
+            for ax in (top, bottom):
+                ax.axvline(e["ts"] - t0, color=color, lw=1, alpha=0.8)
+            top.annotate(str(e.get("cause", "restart"))[:40], (e["ts"] - t0, 0.03), rotation=90,
+                         xycoords=("data", "axes fraction"), fontsize=8, va="bottom", ha="right",
+                         color=color)
+    top.set_title(f"checkpoint {title}: {len(done)} batches, "
+                  f"{sum(e.get('event') == 'restart' for e in events)} restarts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return len(done)
 
 
 @click.group("state")
