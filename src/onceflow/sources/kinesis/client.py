@@ -103,7 +103,8 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         Retrying,
         retry_if_exception,
         stop_after_attempt,
-        wait_exponential_jitter,
+        wait_exponential,
+        wait_random,
     )
 
     def retryable(e: BaseException) -> bool:
@@ -119,11 +120,15 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         return isinstance(e, ConnectionError | ReadTimeoutError)
 
     retrying = Retrying(retry=retry_if_exception(retryable), stop=stop_after_attempt(s.max_retries),
-                        wait=wait_exponential_jitter(initial=0.1, max=5.0), reraise=False)
+                        wait=wait_exponential(multiplier=0.1, max=5.0) + wait_random(0, 0.1),
+                        reraise=False)
     try:
         return retrying(fn, **kwargs)
     except RetryError as e:
         last = e.last_attempt.exception()
+        if isinstance(last, ConnectionError | ReadTimeoutError):
+            raise SourceError(f"{NAME}: cannot reach {s.where} ({one_line(last)}); check endpointUrl/"
+                              "region and the network (the restart strategy retries)") from None
         raise SourceError(f"{NAME}: {what} on {s.where} still failing after {s.max_retries} "
                           f"attempts ({one_line(last)}); the restart strategy retries") from None
     except (NoCredentialsError, PartialCredentialsError):

@@ -84,7 +84,7 @@ def _fetch(s: Settings, part: KinesisInputPartition, done: threading.Event) -> I
     position = start
     while not done.is_set():
         try:
-            for out in responses(s, part.stream, part.shard, position):
+            for out in responses(s, part.stream, part.shard, position, closed=stop_at is None):
                 records = out.get("Records", [])
                 if records:
                     deadline = time.monotonic() + s.poll_timeout_ms / 1000

@@ -59,6 +59,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now: Positions | None = None
         self.skipped = 0  # data-loss events skipped (failOnDataLoss=false)
         self._throttled_reported = 0
+        self._replaced: Positions = {}  # stale start -> TRIM_HORIZON (failOnDataLoss=false)
 
     # -- shards -----------------------------------------------------------------------------
     def shards(self) -> dict[ShardKey, ShardInfo]:
@@ -174,6 +175,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return position
         raise_or_skip(self.s, key[0], key[1], position, why)
         self.skipped += 1
+        self._replaced[key] = position
         record_event(self.s, "source_data_loss", stream=key[0], shard=key[1], start=position,
                      end=None, records=None, cause=why, skipped_so_far=self.skipped)
         return TRIM_HORIZON
@@ -185,7 +187,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return SHARD_END  # a closed shard's records are fixed: read them all
         if cap is None:
             return tail(self.s, info.stream, info.shard_id, position)
-        last, _, ended = read_ahead(self.s, info.stream, info.shard_id, position, cap)
+        last, _, ended = read_ahead(self.s, info.stream, info.shard_id, position, cap, info.closed)
         return SHARD_END if ended and info.closed else last
 
     def reportLatestOffset(self) -> dict | None:
@@ -204,6 +206,8 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         parts: list[InputPartition] = []
         for (st, sh), hi in sorted(stop.items()):
             lo = begin.get((st, sh), TRIM_HORIZON)
+            if self._replaced.get((st, sh)) == lo:  # counted when planned: read the new shard
+                lo = TRIM_HORIZON
             if hi != lo and (is_seq(hi) or hi == SHARD_END):
                 parts.append(KinesisInputPartition(st, sh, lo, hi))
         return parts

@@ -78,15 +78,17 @@ def iterator(s: Settings, stream: str, shard: str, position: str, timestamp: flo
 
 
 def responses(s: Settings, stream: str, shard: str, position: str, limit: int = MAX_LIMIT,
-              timestamp: float | None = None) -> Iterator[dict]:
-    """GetRecords responses from ``position`` on; stops after a response at the tip
-    (``MillisBehindLatest`` 0) or at the end of a closed shard (``NextShardIterator`` None).
+              timestamp: float | None = None, closed: bool = False) -> Iterator[dict]:
+    """GetRecords responses from ``position`` on; stops after an empty response at the tip
+    (``MillisBehindLatest`` 0) of an open shard, or at the end of a ``closed`` shard
+    (``NextShardIterator`` None; empty responses before it are followed, up to 100 in a row).
     An expired iterator is renewed after the last record seen."""
     from botocore.exceptions import ClientError
 
     it = iterator(s, stream, shard, position, timestamp)
     last = position
     c = client(s)
+    empty = 0
     while it:
         try:
             out = call(s, f"GetRecords({stream}/{shard})", c.get_records, ShardIterator=it, Limit=limit)
@@ -100,16 +102,20 @@ def responses(s: Settings, stream: str, shard: str, position: str, limit: int = 
             last = records[-1]["SequenceNumber"]
         it = out.get("NextShardIterator")
         yield out
-        if it is None or (not records and out.get("MillisBehindLatest", 0) == 0):
+        empty = 0 if records else empty + 1
+        at_tip = not records and out.get("MillisBehindLatest", 0) == 0
+        if it is None or (at_tip and (not closed or empty >= 100)):
             return
 
 
-def read_ahead(s: Settings, stream: str, shard: str, position: str, cap: int | None) -> tuple[str, int, bool]:
+def read_ahead(s: Settings, stream: str, shard: str, position: str, cap: int | None,
+               closed: bool = False) -> tuple[str, int, bool]:
     """Driver: read from ``position`` up to ``cap`` records (all, when None). Returns the last
     sequence number read (``position`` when none), how many, and whether a closed shard's end
     was reached."""
     last, n = position, 0
-    for out in responses(s, stream, shard, position, MAX_LIMIT if cap is None else min(MAX_LIMIT, cap)):
+    for out in responses(s, stream, shard, position, MAX_LIMIT if cap is None else min(MAX_LIMIT, cap),
+                         closed=closed):
         records = out.get("Records", [])
         if cap is not None and n + len(records) >= cap:
             records = records[: cap - n]
