@@ -264,13 +264,13 @@ KILL_JOB = textwrap.dedent("""
     job = Job(
         name="kinesis-kills",
         source=KinesisSource(os.environ["STREAM"], starting_position="TRIM_HORIZON",
-                             max_records_per_trigger=300, **json.loads(os.environ["KINESIS"])).load,
+                             max_records_per_trigger=500, **json.loads(os.environ["KINESIS"])).load,
         transform=lambda df: df.selectExpr("CAST(CAST(data AS STRING) AS BIGINT) AS id", "shardId AS shard"),
         sink=PostgresSink(os.environ["DSN"], os.environ["TABLE"], mode="two_phase", create_table=True,
                           sink_id=os.environ["TABLE"], commit_deadline=20),
         checkpoint=CheckpointConfig(os.environ["CKPT"], interval=0),
         restart_strategy=fixed_delay(attempts=6, delay=0),
-        stop_when_idle=3.0,
+        stop_when_idle=1.5,
         master="local[2]",
     )
 """)
@@ -285,7 +285,7 @@ def test_kinesis_to_postgres_exactly_once_through_random_driver_sigkills(kinesal
     seed = int(os.environ.get("ONCEFLOW_TEST_SEED", random.randrange(1 << 30)))
     print(f"seed {seed}")
     rng = random.Random(seed)
-    k, table, total = kinesalite, f"kills_{stream_name[2:]}", 4000
+    k, table, total = kinesalite, f"kills_{stream_name[2:]}", 3000
     k.create_stream(stream_name, 2)
     put_ids(k, stream_name, range(0, 1000))
     ckpt = tmp_path / "ckpt"
