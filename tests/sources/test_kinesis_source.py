@@ -124,6 +124,12 @@ def test_shard_split_parents_before_children_nothing_lost_or_twice(spark, kinesa
     assert_exactly_once(kinesis_pg, table, range(1200))
 
     rows = query(kinesis_pg, f"SELECT id, pk, shard, seq FROM {table}")
+    # The driver's read-ahead was spilled for the executors, and removed once committed.
+    spill = tmp_path / "ckpt" / "_onceflow" / "kinesis-spill"
+    last = ckpt.source_offsets(ckpt.offset_batches()[-1])[0][stream_name]
+    assert spill.is_dir() and not list(spill.glob(".*.tmp"))
+    assert all(name.removesuffix(".arrow").split("~")[3] == last[name.split("~")[1]]
+               for name in os.listdir(spill)), "spilled ranges of committed batches were left behind"
     shards = {r[2] for r in rows}
     assert shards == {SHARD0, "shardId-000000000001", "shardId-000000000002"}
     ends = batch_of(ckpt, stream_name)

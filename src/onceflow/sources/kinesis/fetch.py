@@ -9,7 +9,6 @@ import time
 from collections.abc import Iterator
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.datasource import InputPartition
 from pyspark.sql.types import StructType
 
@@ -22,6 +21,7 @@ from onceflow.sources.kinesis.shards import (
     record_event,
     responses,
 )
+from onceflow.sources.kinesis.spill import read_spill, to_arrow
 
 log = logging.getLogger("onceflow.sources.kinesis")
 
@@ -44,6 +44,10 @@ def read_range(s: Settings, schema: StructType, part: KinesisInputPartition) -> 
     from pyspark.sql.pandas.types import to_arrow_schema
 
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
+    spilled = read_spill(s, part.stream, part.shard, part.start, part.end, arrow_schema)
+    if spilled is not None:  # the driver read this range while planning it
+        yield from spilled
+        return
     chunks: queue.Queue = queue.Queue(maxsize=4)
     done = threading.Event()
     throttled_before = THROTTLED.value
@@ -67,7 +71,7 @@ def read_range(s: Settings, schema: StructType, part: KinesisInputPartition) -> 
         while (item := chunks.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            yield _batch(item, part, arrow_schema)
+            yield to_arrow(item, part.stream, part.shard, arrow_schema)
     finally:
         done.set()
         fetcher.join(timeout=30)
@@ -110,25 +114,3 @@ def _fetch(s: Settings, part: KinesisInputPartition, done: threading.Event) -> I
                               f"{s.poll_timeout_ms} ms while reading after {start}; is Kinesis reachable? "
                               "raise pollTimeoutMs if it is just slow")
         time.sleep(0.2)  # at the tip before the planned end (an empty answer): ask again
-
-
-def _batch(records: list[dict], part: KinesisInputPartition, schema: pa.Schema) -> pa.RecordBatch:
-    """GetRecords records -> an Arrow batch (timestamps are epoch seconds, parsed lazily)."""
-    n = len(records)
-    arrays = []
-    for f in schema:
-        if f.name == "data":
-            arrays.append(pa.array([r["Data"] for r in records], f.type))
-        elif f.name == "stream":
-            arrays.append(pa.repeat(pa.scalar(part.stream, f.type), n))
-        elif f.name == "shardId":
-            arrays.append(pa.repeat(pa.scalar(part.shard, f.type), n))
-        elif f.name == "sequenceNumber":
-            arrays.append(pa.array([r["SequenceNumber"] for r in records], f.type))
-        elif f.name == "partitionKey":
-            arrays.append(pa.array([r["PartitionKey"] for r in records], f.type))
-        elif f.name == "approximateArrivalTimestamp":
-            secs = pa.array([float(r.get("ApproximateArrivalTimestamp") or 0) * 1e6 for r in records],
-                            pa.float64())
-            arrays.append(pc.cast(secs, pa.int64(), safe=False).cast(f.type))
-    return pa.RecordBatch.from_arrays(arrays, schema=schema)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -28,7 +29,6 @@ from onceflow.sources.kinesis.options import (
     Settings,
     ShardKey,
     _fail,
-    after,
     from_json,
     is_seq,
     to_json,
@@ -40,8 +40,8 @@ from onceflow.sources.kinesis.shards import (
     raise_or_skip,
     read_ahead,
     record_event,
-    tail,
 )
+from onceflow.sources.kinesis.spill import cleanup, spill_writer
 
 log = logging.getLogger("onceflow.sources.kinesis")
 
@@ -56,9 +56,11 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def __init__(self, settings: Settings, schema: StructType) -> None:
         self.s = settings
         self.schema = schema
-        self._available_now: Positions | None = None
+        self._available_now: tuple[float, set[ShardKey]] | None = None
+        self._available_done: set[ShardKey] = set()
         self.skipped = 0  # data-loss events skipped (failOnDataLoss=false)
         self._throttled_reported = 0
+        self._arrow = None  # the Arrow schema of spilled ranges
         self._replaced: Positions = {}  # stale start -> TRIM_HORIZON (failOnDataLoss=false)
 
     # -- shards -----------------------------------------------------------------------------
@@ -130,28 +132,30 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(n) if n else ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        """Trigger.AvailableNow: read up to the newest record of each shard right now."""
-        self._available_now = {
-            key: SHARD_END if info.closed else tail(self.s, info.stream, info.shard_id, TRIM_HORIZON)
-            for key, info in self.shards().items()}
+        """Trigger.AvailableNow: read the shards that exist now until each reaches its tip (or
+        a record that arrived after this call); shards created later are left for later runs.
+        Where AvailableNow stops is all this decides: every batch's range is still exact."""
+        self._available_now = (time.time(), set(self.shards()))
+        self._available_done: set[ShardKey] = set()
 
     def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
         """End positions of the next batch: per readable shard, the newest record (or, with
         ``maxRecordsPerTrigger``, the last of its share), found by reading ahead on the driver."""
         begin = from_json(start)
+        cleanup(self.s, begin)  # Spark does not call commit() for the batch before a restart
         found = self.shards()
         for key in sorted(found):
             begin.setdefault(key, TRIM_HORIZON)  # a new shard (resharding)
         end = dict(begin)
         ready = [k for k in sorted(found) if self._readable(k, begin, found)]
-        target = self._available_now
-        if target is not None:  # Trigger.AvailableNow: nothing past the target
-            ready = [k for k in ready if k in target and after(target[k], begin[k])]
+        if self._available_now is not None:
+            known = self._available_now[1]
+            ready = [k for k in ready if k in known and k not in self._available_done]
         caps = self._caps(ready, limit)
         for key in ready:
-            end[key] = self._advance(found[key], self._checked(key, begin[key]), caps.get(key))
-            if target is not None and after(end[key], target[key]):
-                end[key] = target[key]
+            end[key], at_tip = self._advance(found[key], self._checked(key, begin[key]), caps.get(key))
+            if self._available_now is not None and at_tip:
+                self._available_done.add(key)
         self._report_throttled()
         return to_json(end)
 
@@ -180,15 +184,42 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                      end=None, records=None, cause=why, skipped_so_far=self.skipped)
         return TRIM_HORIZON
 
-    def _advance(self, info: ShardInfo, position: str, cap: int | None) -> str:
+    def _advance(self, info: ShardInfo, position: str, cap: int | None) -> tuple[str, bool]:
+        """Read ahead from ``position`` to find the batch's end; what is read is spilled for
+        the executor (spill.py) so the shard is read once per batch. Returns the end and
+        whether the shard's tip (or, under AvailableNow, a record newer than its start) was
+        reached."""
         if cap == 0:
-            return position
+            return position, False
         if cap is None and info.closed:
-            return SHARD_END  # a closed shard's records are fixed: read them all
-        if cap is None:
-            return tail(self.s, info.stream, info.shard_id, position)
-        last, _, ended = read_ahead(self.s, info.stream, info.shard_id, position, cap, info.closed)
-        return SHARD_END if ended and info.closed else last
+            return SHARD_END, True  # a closed shard's records are fixed: the executor reads them
+        if self._arrow is None:
+            from pyspark.sql.pandas.types import to_arrow_schema
+
+            self._arrow = to_arrow_schema(self.schema, timezone="UTC")
+        writer = spill_writer(self.s, info.stream, info.shard_id, position, self._arrow)
+        newest = [0.0]
+
+        def keep(records: list) -> None:
+            if records:
+                newest[0] = float(records[-1].get("ApproximateArrivalTimestamp") or 0)
+            if writer:
+                writer.add(records)
+
+        try:
+            last, n, ended = read_ahead(self.s, info.stream, info.shard_id, position, cap, info.closed, keep)
+        except BaseException:
+            if writer:
+                writer.abort()
+            raise
+        end = SHARD_END if ended and info.closed else last
+        if writer and n and end != position:
+            writer.finish(end)
+        elif writer:
+            writer.abort()
+        at_tip = cap is None or n < cap or ended or (
+            self._available_now is not None and newest[0] > self._available_now[0])
+        return end, at_tip
 
     def reportLatestOffset(self) -> dict | None:
         return None
@@ -218,7 +249,9 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return read_range(self.s, self.schema, partition)
 
     def commit(self, end: dict) -> None:
-        """Nothing is stored outside Spark's checkpoint (no KCL lease table)."""
+        """Nothing is stored outside Spark's checkpoint (no KCL lease table); the spilled
+        records of committed ranges are deleted."""
+        cleanup(self.s, from_json(end))
 
     def stop(self) -> None:
         pass

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time  # noqa: F401
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,19 +109,22 @@ def responses(s: Settings, stream: str, shard: str, position: str, limit: int = 
 
 
 def read_ahead(s: Settings, stream: str, shard: str, position: str, cap: int | None,
-               closed: bool = False) -> tuple[str, int, bool]:
+               closed: bool = False, on_records: Callable[[list], None] | None = None) -> tuple[str, int, bool]:
     """Driver: read from ``position`` up to ``cap`` records (all, when None). Returns the last
     sequence number read (``position`` when none), how many, and whether a closed shard's end
-    was reached."""
+    was reached. ``on_records`` receives the records read, in order (see spill.py)."""
     last, n = position, 0
+    keep = on_records or (lambda records: None)
     for out in responses(s, stream, shard, position, MAX_LIMIT if cap is None else min(MAX_LIMIT, cap),
                          closed=closed):
         records = out.get("Records", [])
         if cap is not None and n + len(records) >= cap:
             records = records[: cap - n]
+            keep(records)
             if records:
                 last, n = records[-1]["SequenceNumber"], cap
             return last, n, False
+        keep(records)
         if records:
             last, n = records[-1]["SequenceNumber"], n + len(records)
         if out.get("NextShardIterator") is None:
