@@ -223,6 +223,81 @@ def test_recreated_stream_is_data_loss_unless_allowed(spark, kinesalite, stream_
     assert "not in the shard" in loss["cause"]
 
 
+# ---- throttling ------------------------------------------------------------------------------
+
+
+class ThrottlingProxy:
+    """An HTTP proxy in front of kinesalite that answers the first requests of some Kinesis
+    operations with the errors Kinesis sends when a shard's limits are exceeded (kinesalite
+    never throttles); everything else is forwarded unchanged."""
+
+    def __init__(self, upstream_port: int, throttle: dict[str, list[str]]) -> None:
+        import http.client
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        plan = {op: list(codes) for op, codes in throttle.items()}
+        self.sent: list[str] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                op = self.headers.get("X-Amz-Target", "").rsplit(".", 1)[-1]
+                if plan.get(op):
+                    code = plan[op].pop(0)
+                    proxy.sent.append(f"{op}:{code}")
+                    reply = json.dumps({"__type": code, "message": "Rate exceeded for shard"}).encode()
+                    self.send_response(400)
+                    self.send_header("Content-Type", "application/x-amz-json-1.1")
+                    self.send_header("Content-Length", str(len(reply)))
+                    self.end_headers()
+                    self.wfile.write(reply)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", upstream_port, timeout=30)
+                conn.request("POST", self.path, body, {k: v for k, v in self.headers.items()})
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                conn.close()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_throttled_requests_are_retried_with_backoff_and_counted(spark, kinesalite, stream_name, tmp_path):
+    k = kinesalite
+    k.create_stream(stream_name, 1)
+    put_ids(k, stream_name, range(300))
+    proxy = ThrottlingProxy(k.port, {
+        "GetRecords": ["ProvisionedThroughputExceededException"] * 2,
+        "GetShardIterator": ["LimitExceededException"]})
+    try:
+        opts = {**k.source_options(), "endpoint_url": proxy.endpoint}
+        source = KinesisSource(stream_name, starting_position="TRIM_HORIZON", event_log=str(tmp_path / "out-cp"),
+                               **opts)
+        rows = run_available_now(source.load(spark), tmp_path)
+    finally:
+        proxy.close()
+    assert sorted(int(r.data) for r in rows) == list(range(300))
+    assert sorted(proxy.sent) == ["GetRecords:ProvisionedThroughputExceededException"] * 2 + [
+        "GetShardIterator:LimitExceededException"]
+    counted = [e for e in EventLog(str(tmp_path / "out-cp")).read() if e["event"] == "source_throttled"]
+    assert sum(e["requests"] for e in counted) == 3, counted
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 
