@@ -210,18 +210,20 @@ def test_recreated_stream_is_data_loss_unless_allowed(spark, kinesalite, stream_
     k.create_stream(stream_name, 1)
     put_ids(k, stream_name, range(1000, 1050))
 
+    source.event_log = str(tmp_path / "out-cp")  # what a onceflow Job sets automatically
     with pytest.raises(Exception, match=rf"stream {stream_name} shard {SHARD0} at \d+: the checkpointed "
                                          r"sequence number \d+ is not in the shard .*failOnDataLoss=false") as e:
         run_available_now(source.load(spark), tmp_path)
     assert "KinesisDataLossError" in str(e.value)
 
     source.fail_on_data_loss = False
-    source.event_log = str(tmp_path / "out-cp")  # what a onceflow Job sets automatically
     rows = run_available_now(source.load(spark), tmp_path)
     assert sorted(int(r.data) for r in rows) == list(range(100)) + list(range(1000, 1050))
-    [loss] = [e for e in EventLog(str(tmp_path / "out-cp")).read() if e["event"] == "source_data_loss"]
-    assert (loss["stream"], loss["shard"], loss["records"]) == (stream_name, SHARD0, None)
-    assert "not in the shard" in loss["cause"]
+    # counted either way: the failed attempt, then the skip
+    failed, skipped = [e for e in EventLog(str(tmp_path / "out-cp")).read() if e["event"] == "source_data_loss"]
+    assert (failed["failed"], skipped["failed"], skipped["skipped_so_far"]) == (True, False, 1)
+    assert (skipped["stream"], skipped["shard"], skipped["records"]) == (stream_name, SHARD0, None)
+    assert "not in the shard" in skipped["cause"]
 
 
 # ---- throttling ------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pyspark.sql.datasource import DataSource
 from pyspark.sql.types import StructType
 
+from onceflow.kafka_client import redact
 from onceflow.sources.kinesis.fetch import KinesisInputPartition, read_range
 from onceflow.sources.kinesis.options import (
     NAME,
@@ -85,11 +86,10 @@ class KinesisSource:
     max_retries: int = 10
     event_log: str | None = None
 
-    def __repr__(self) -> str:  # credentials are never printed
-        shown = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        for f in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token"):
-            if shown[f]:
-                shown[f] = "***"
+    def __repr__(self) -> str:  # credentials are never printed (as KafkaSource's SASL secrets)
+        shown = redact({f: getattr(self, f) for f in self.__dataclass_fields__})
+        if shown["aws_access_key_id"]:
+            shown["aws_access_key_id"] = "***"
         return f"KinesisSource({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def options(self) -> dict[str, str]:

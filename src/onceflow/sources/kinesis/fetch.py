@@ -104,9 +104,9 @@ def _fetch(s: Settings, part: KinesisInputPartition, done: threading.Event) -> I
                     return
         except StalePosition as e:
             why = f"the checkpointed sequence number is not in the shard ({e}; stream re-created?)"
-            raise_or_skip(s, part.stream, part.shard, position, why)
             record_event(s, "source_data_loss", stream=part.stream, shard=part.shard, start=position,
-                         end=end, records=None, cause=why)
+                         end=end, records=None, cause=why, failed=s.fail_on_data_loss)
+            raise_or_skip(s, part.stream, part.shard, position, why)
             position = TRIM_HORIZON
             continue
         if time.monotonic() > deadline:

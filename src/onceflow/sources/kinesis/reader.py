@@ -61,6 +61,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.skipped = 0  # data-loss events skipped (failOnDataLoss=false)
         self._throttled_reported = 0
         self._arrow = None  # the Arrow schema of spilled ranges
+        self._rotation = 0
         self._replaced: Positions = {}  # stale start -> TRIM_HORIZON (failOnDataLoss=false)
 
     # -- shards -----------------------------------------------------------------------------
@@ -169,7 +170,9 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return {}
         n = limit.max_rows
         share, extra = divmod(n, len(ready))
-        return {k: share + (1 if i < extra else 0) for i, k in enumerate(ready)}
+        self._rotation += 1  # the remainder goes to other shards each batch: none starves
+        first = self._rotation % len(ready)
+        return {k: share + (1 if (i - first) % len(ready) < extra else 0) for i, k in enumerate(ready)}
 
     def _checked(self, key: ShardKey, position: str) -> str:
         """The position to plan from: a stale (trimmed / re-created) one raises, or with
@@ -177,11 +180,12 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         why = check_retained(self.s, key[0], key[1], position)
         if why is None:
             return position
-        raise_or_skip(self.s, key[0], key[1], position, why)
-        self.skipped += 1
-        self._replaced[key] = position
+        self.skipped += 0 if self.s.fail_on_data_loss else 1
         record_event(self.s, "source_data_loss", stream=key[0], shard=key[1], start=position,
-                     end=None, records=None, cause=why, skipped_so_far=self.skipped)
+                     end=None, records=None, cause=why, failed=self.s.fail_on_data_loss,
+                     skipped_so_far=self.skipped)
+        raise_or_skip(self.s, key[0], key[1], position, why)
+        self._replaced[key] = position
         return TRIM_HORIZON
 
     def _advance(self, info: ShardInfo, position: str, cap: int | None) -> tuple[str, bool]:
