@@ -8,6 +8,9 @@ kinesalite quirks observed (relevant to anything that trusts its answers):
 - it accepts any credentials (signatures are not checked; a request without any
   ``Authorization`` is refused), so "bad credentials" can only be tested as "no credentials";
 - ``MillisBehindLatest`` is always 0 except at the end of a closed shard;
+- ``GetShardIterator`` ``AT_TIMESTAMP`` with a timestamp after the newest record never answers
+  (the request hangs until the client's read timeout), so AT_TIMESTAMP starts are not tested;
+- it never throttles (the throttling test puts a proxy in front of it);
 - retention is at least 24 h and measured with its own clock: records cannot be trimmed in a
   test, so data loss is tested with a stream deleted and re-created under the same name.
 """

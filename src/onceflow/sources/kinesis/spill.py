@@ -115,13 +115,23 @@ def read_spill(s: Settings, stream: str, shard: str, start: str, end: str,
     fs, d = url_to_fs(_dir(s))
     path = f"{d}/{_name(stream, shard, start, end)}"
     try:
-        with fs.open(path, "rb") as f:
-            table = pa.ipc.open_stream(f).read_all()
+        f = fs.open(path, "rb")
+    except OSError:
+        return None
+    try:
+        reader = pa.ipc.open_stream(f)
     except (OSError, pa.ArrowException):
+        f.close()
         return None
-    if table.schema != schema:
+    if reader.schema != schema:
+        f.close()
         return None
-    return iter(table.to_batches())
+
+    def batches() -> Iterator[pa.RecordBatch]:  # streamed: a large range is not held in memory
+        with f:
+            yield from reader
+
+    return batches()
 
 
 def cleanup(s: Settings, committed: Positions) -> None:
