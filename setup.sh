@@ -38,4 +38,13 @@ if [ "$want_test" = test ]; then
 else
   .venv/bin/python -m pip install -q -e .
 fi
+if [ "$want_test" = test ]; then
+  # The Kinesis source tests run kinesalite (a Kinesis API server on Node.js) from .venv/node.
+  if [ ! -f .venv/node/node_modules/kinesalite/cli.js ]; then
+    { command -v node >/dev/null && command -v npm >/dev/null; } || need_apt nodejs npm
+    echo "setup: installing kinesalite with npm into .venv/node" >&2
+    npm install --silent --no-audit --no-fund --prefix .venv/node kinesalite >/dev/null \
+      || { echo "setup: 'npm install kinesalite' failed (is the npm registry reachable?); fix and run ./setup.sh test again" >&2; exit 1; }
+  fi
+fi
 echo "setup: done (.venv ready)" >&2

@@ -19,6 +19,7 @@ _EXPORTS = {
     "PostgresSink": "onceflow.sinks.postgres",
     "KafkaSink": "onceflow.sinks.kafka",
     "KafkaSource": "onceflow.sources.kafka",
+    "KinesisSource": "onceflow.sources.kinesis",
     "RestartStrategy": "onceflow.runtime.restart",
     "fixed_delay": "onceflow.runtime.restart",
     "exponential_delay": "onceflow.runtime.restart",

@@ -1,4 +1,5 @@
-"""Fixtures for source tests: one real Kafka-protocol broker (tansu) per test session."""
+"""Fixtures for source tests: one real Kafka-protocol broker (tansu) and one kinesalite server
+per test session, and a PostgreSQL cluster for the Kinesis -> PostgreSQL tests."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from kafka_broker import KafkaBroker
+from kinesis_server import Kinesalite
+from pg_cluster import PgCluster
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +24,24 @@ def kafka_broker() -> Iterator[str]:
 def topic_name() -> str:
     """A fresh topic name per test (the broker is shared by the whole session)."""
     return f"t-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(scope="session")
+def kinesalite() -> Iterator[Kinesalite]:
+    """A kinesalite server (the Kinesis API, in memory) with instant stream changes."""
+    with Kinesalite() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def kinesis_pg() -> Iterator[PgCluster]:
+    """PostgreSQL with max_prepared_transactions = 20 for the Kinesis -> two_phase tests."""
+    cluster = PgCluster(max_prepared_transactions=20, name="pg-kinesis")
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture
+def stream_name() -> str:
+    """A fresh stream name per test (the server is shared by the whole session)."""
+    return f"s-{uuid.uuid4().hex[:10]}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KafkaSource"]
+__all__ = ["KafkaSource", "KinesisSource"]
 
 
 def __getattr__(name: str) -> Any:
@@ -12,4 +12,8 @@ def __getattr__(name: str) -> Any:
         from onceflow.sources.kafka import KafkaSource
 
         return KafkaSource
+    if name == "KinesisSource":  # lazy: boto3 is an optional dependency
+        from onceflow.sources.kinesis import KinesisSource
+
+        return KinesisSource
     raise AttributeError(name)

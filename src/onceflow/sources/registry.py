@@ -7,6 +7,7 @@ import importlib
 SOURCES: dict[str, str] = {
     "onceflow-sequence": "onceflow.sources.sequence:SequenceDataSource",
     "onceflow-kafka": "onceflow.sources.kafka:KafkaSourceDataSource",
+    "onceflow-kinesis": "onceflow.sources.kinesis:KinesisSourceDataSource",
 }
 
 
