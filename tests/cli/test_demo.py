@@ -27,13 +27,6 @@ def test_demo_survives_driver_sigkill_exactly_once(tmp_path):
     restarts = [e for e in events if e["event"] == "restart"]
     assert len(restarts) == 1 and restarts[0]["cause"] == "killed by SIGKILL"
     assert sum(1 for e in events if e["event"] == "process_start") == 2
-
-
-def test_demo_rejects_bad_options(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "onceflow", "demo", "--events", "10"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--events" in proc.stderr and "Traceback" not in proc.stderr
-
     # The history chart of that run: batch durations and rows, the restart marked.
     chart = tmp_path / "history.png"
     r = subprocess.run([sys.executable, "-m", "onceflow", "checkpoints", str(workdir / "checkpoint"),
@@ -41,3 +34,9 @@ def test_demo_rejects_bad_options(tmp_path):
     assert r.returncode == 0, r.stderr
     batches = int(r.stderr.split("chart ")[1].split(": ")[1].split(" batches")[0])
     assert batches >= 10 and chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_rejects_bad_options(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "onceflow", "demo", "--events", "10"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--events" in proc.stderr and "Traceback" not in proc.stderr
