@@ -227,7 +227,9 @@ class JobRunner:
         pid = os.getpid()
         attempt = 0
         try:
-            for e in self.events.read():
+            end = self.events.size()  # the supervisor's entry is recent: read the last MB only
+            recent = self.events.read_from(max(0, end - 1_000_000)) if isinstance(end, int) else self.events.read()
+            for e in recent:
                 if e.get("event") == "process_start" and e.get("pid") == pid:
                     attempt = max(int(e.get("attempt", 1)) - 1, 0)
         except (OSError, ValueError):
