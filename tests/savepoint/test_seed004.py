@@ -43,9 +43,10 @@ def query(pg, q: str, *args):
 def test_cancel_with_savepoint_resume_hours_later_at_the_saved_kafka_offsets(spark, sp_kafka, sp_pg, tmp_path):
     topic, table = f"t-{uuid.uuid4().hex[:8]}", f"seed004_{uuid.uuid4().hex[:8]}"
     create_topic(sp_kafka, topic, 2)
-    produce(sp_kafka, topic, [str(i) for i in range(600)], partitions=2)
+    produce(sp_kafka, topic, [str(i) for i in range(3000)], partitions=2)
 
-    # Run, and cancel with a savepoint while records are still waiting (100 per batch).
+    # Run, and cancel with a savepoint while records are still waiting (100 per batch: 30
+    # batches, so the cancel after three cannot come after the last however fast they run).
     job = kafka_to_pg(tmp_path, sp_kafka, topic, sp_pg, table, "earliest", 100)
     ckpt = CheckpointDir(job.checkpoint.directory)
     stop, started = threading.Event(), time.time()
@@ -63,11 +64,11 @@ def test_cancel_with_savepoint_resume_hours_later_at_the_saved_kafka_offsets(spa
     assert sp.startswith(str(tmp_path / "sps" / f"seed004-{manifest.batch}-"))
     assert inspect_savepoint(sp).verified is True
     saved = manifest.source_offsets[0][topic]
-    assert 0 < sum(saved.values()) < 600  # cancelled mid-stream
+    assert 0 < sum(saved.values()) < 3000  # cancelled mid-stream
 
     # "Hours later": 200 more records arrived; the job is redeployed reading from 'latest'.
-    produce(sp_kafka, topic, [str(i) for i in range(600, 800)], partitions=2)
-    resumed = kafka_to_pg(tmp_path, sp_kafka, topic, sp_pg, table, "latest", 500, ckpt="ckpt2", idle=1.0)
+    produce(sp_kafka, topic, [str(i) for i in range(3000, 3200)], partitions=2)
+    resumed = kafka_to_pg(tmp_path, sp_kafka, topic, sp_pg, table, "latest", 1000, ckpt="ckpt2", idle=1.0)
     resumed.run(spark=spark, from_savepoint=sp)
     c2 = CheckpointDir(resumed.checkpoint.directory)
     assert c2.lineage == manifest.lineage
@@ -76,5 +77,5 @@ def test_cancel_with_savepoint_resume_hours_later_at_the_saved_kafka_offsets(spa
     assert c2.source_offsets(first - 1)[0][topic] == saved
     # ... so PostgreSQL holds every id exactly once (none lost to 'latest', none twice).
     n, distinct, lo, hi = query(sp_pg, f"SELECT count(*), count(DISTINCT id), min(id), max(id) FROM {table}")[0]
-    assert (n, distinct, lo, hi) == (800, 800, 0, 799)
+    assert (n, distinct, lo, hi) == (3200, 3200, 0, 3199)
     assert query(sp_pg, "SELECT count(*) FROM pg_prepared_xacts WHERE gid LIKE %s", f"onceflow:{table}:%") == [(0,)]
