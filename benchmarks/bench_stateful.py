@@ -19,7 +19,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from onceflow.demo.job import OUTPUT, transform as apply_in_pandas_with_state
+from onceflow.demo.job import OUTPUT
+from onceflow.demo.job import transform as apply_in_pandas_with_state
 from onceflow.spark import get_spark
 from onceflow.verify.exactly_once import check_delta_table
 

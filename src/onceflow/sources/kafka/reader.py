@@ -19,6 +19,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from onceflow.sources.initial import kept_initial
 from onceflow.sources.kafka.cluster import KafkaCluster
 from onceflow.sources.kafka.fetch import (
     KafkaInputPartition,
@@ -62,35 +63,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # -- driver: offsets --------------------------------------------------------------------
     def initialOffset(self) -> dict:
-        """Where a new query starts. Spark asks again when batch 0 is replayed after a crash
-        (its end is in ``offsets/0``, its start is not): with ``eventLog`` (the checkpoint,
-        set by onceflow Jobs) the first answer is kept there, one file per source
-        configuration, as Spark's Kafka source keeps it in ``sources/0``, so a replayed batch 0
-        reads the same range even for 'latest'.
-
-        The file is replaced whole (``onceflow.storage.write_whole``). An unreadable one (torn by a crash
-        of an older version mid-write) counts as absent: Spark writes ``offsets/0`` only after
-        this method returned, so no batch can have been planned from it."""
-        saved = self._initial_path()
-        if saved is None:
-            return self._initial()
-        from onceflow.storage import url_to_fs, write_whole
-
-        fs, path = url_to_fs(saved)
-        ident = self._identity()
-        try:
-            with fs.open(path, "r") as f:
-                kept = json.load(f)
-            if isinstance(kept, dict) and kept.get("source") == ident:
-                return kept["offsets"]
-        except FileNotFoundError:
-            pass
-        except ValueError as e:
-            log.warning("%s: %s is unreadable (%s); computing the initial offsets again", NAME, saved, e)
-        offsets = self._initial()
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        write_whole(fs, path, json.dumps({"source": ident, "offsets": offsets}).encode())
-        return offsets
+        """Where a new query starts. With ``eventLog`` (the checkpoint, set by onceflow Jobs)
+        the first answer is kept there (:func:`onceflow.sources.initial.kept_initial`), so a
+        replayed batch 0 reads the same range even for 'latest'."""
+        return kept_initial(self._initial_path(), self._identity(), self._initial, NAME)
 
     def _initial_path(self) -> str | None:
         """``<checkpoint>/_onceflow/kafka-initial-offsets-<hash of the source's configuration>.json``:

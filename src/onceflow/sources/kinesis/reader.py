@@ -6,7 +6,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from collections.abc import Iterator
 
 import pyarrow as pa
@@ -19,6 +18,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from onceflow.sources.initial import kept_initial
 from onceflow.sources.kinesis.client import THROTTLED, describe
 from onceflow.sources.kinesis.fetch import KinesisInputPartition, read_range
 from onceflow.sources.kinesis.options import (
@@ -83,29 +83,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """Where a new query starts, pinned to concrete positions. With ``eventLog`` (set by
         onceflow Jobs) the first answer is kept in the checkpoint, so a batch 0 replayed after
         a crash reads the same records even for LATEST or AT_TIMESTAMP."""
-        saved = self._initial_path()
-        if saved is None:
-            return self._initial()
-        from fsspec.core import url_to_fs
-
-        fs, path = url_to_fs(saved)
-        ident = self._identity()
-        try:
-            with fs.open(path, "r") as f:
-                kept = json.load(f)
-            if isinstance(kept, dict) and kept.get("source") == ident:
-                return kept["offsets"]
-        except FileNotFoundError:
-            pass
-        except ValueError as e:
-            log.warning("%s: %s is unreadable (%s); computing the initial positions again", NAME, saved, e)
-        offsets = self._initial()
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
-        with fs.open(tmp, "w") as f:
-            json.dump({"source": ident, "offsets": offsets}, f)
-        fs.mv(tmp, path)
-        return offsets
+        return kept_initial(self._initial_path(), self._identity(), self._initial, NAME)
 
     def _identity(self) -> str:
         return json.dumps([self.s.endpoint_url, self.s.region, sorted(self.s.streams), self.s.starting,

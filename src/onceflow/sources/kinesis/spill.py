@@ -66,7 +66,7 @@ class SpillWriter:
     """Driver: streams one shard range's records to a file while the range is read ahead."""
 
     def __init__(self, s: Settings, stream: str, shard: str, start: str, schema: pa.Schema) -> None:
-        from fsspec.core import url_to_fs
+        from onceflow.storage import url_to_fs
 
         self.stream, self.shard, self.start, self.schema = stream, shard, start, schema
         self.fs, self.dir = url_to_fs(_dir(s))
@@ -110,7 +110,7 @@ def read_spill(s: Settings, stream: str, shard: str, start: str, end: str,
     """Executor: the range's batches from the driver's file, or None (read Kinesis)."""
     if not s.event_log:
         return None
-    from fsspec.core import url_to_fs
+    from onceflow.storage import url_to_fs
 
     fs, d = url_to_fs(_dir(s))
     path = f"{d}/{_name(stream, shard, start, end)}"
@@ -140,7 +140,7 @@ def cleanup(s: Settings, committed: Positions) -> None:
     between two ranges was left by a driver that died or was stopped while reading ahead)."""
     if not s.event_log:
         return
-    from fsspec.core import url_to_fs
+    from onceflow.storage import url_to_fs
 
     fs, d = url_to_fs(_dir(s))
     try:
