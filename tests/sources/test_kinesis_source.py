@@ -369,7 +369,7 @@ def test_kinesis_to_postgres_exactly_once_through_random_driver_sigkills(kinesal
     seed = int(os.environ.get("ONCEFLOW_TEST_SEED", random.randrange(1 << 30)))
     print(f"seed {seed}")
     rng = random.Random(seed)
-    k, table, total = kinesalite, f"kills_{stream_name[2:]}", 3000
+    k, table = kinesalite, f"kills_{stream_name[2:]}"
     k.create_stream(stream_name, 2)
     put_ids(k, stream_name, range(0, 1000))
     ckpt = tmp_path / "ckpt"
@@ -389,15 +389,17 @@ def test_kinesis_to_postgres_exactly_once_through_random_driver_sigkills(kinesal
             deadline = time.monotonic() + 180
             while len(c.committed_batches()) < target:
                 assert sup.poll() is None and time.monotonic() < deadline, (tmp_path / "out.log").read_text()[-3000:]
-                if written < total:  # records keep arriving
-                    put_ids(k, stream_name, range(written, written + 250))
-                    written += 250
+                # records keep arriving until the last kill (capped, they could all be read
+                # before it, and the job would stop idle first)
+                put_ids(k, stream_name, range(written, written + 250))
+                written += 250
                 time.sleep(0.3)
             time.sleep(rng.uniform(0, 1.5))
             pid = procs.active_driver(log)
             assert pid is not None
             os.killpg(pid, signal.SIGKILL)
             kills.append(pid)
+        total = written + 500
         put_ids(k, stream_name, range(written, total))
         assert sup.wait(timeout=300) == 0, (tmp_path / "out.log").read_text()[-3000:]
     finally:

@@ -262,8 +262,12 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
                 for e in events.read())
         elif pid is not None:
             stopped = not _alive(pid)
-        else:  # another host: its driver (or supervisor) logs the stop
-            stopped = any(e.get("event") == "stop" and float(e.get("ts", 0)) >= asked for e in events.read())
+        else:  # another host: the driver logs when it has acted on our request (savepoint
+            # taken); or it stopped without taking the request (then we act on it ourselves)
+            seen = list(events.read())
+            stopped = any(e.get("event") == "stop_request_done" and e.get("request") == rid for e in seen) or (
+                any(e.get("event") == "stop" and float(e.get("ts", 0)) >= asked for e in seen)
+                and (_read_request(url)[0] or {}).get("id") == rid)
         if stopped and live_lease_holder(url) is None:
             _drop_own_request(url, rid)
             return what
@@ -307,6 +311,14 @@ def savepoint_on_stop(checkpoint_url: str, job_name: str, started: float,
     environ = os.environ if environ is None else environ
     url = checkpoint_url.rstrip("/")
     request = take_stop_request(url)
+    try:
+        return _act_on_stop(url, job_name, started, environ, request)
+    finally:  # 'onceflow stop' on another host waits for this, not for the lease alone
+        if request is not None:
+            EventLog(url).append("stop_request_done", request=request.get("id"))
+
+
+def _act_on_stop(url: str, job_name: str, started: float, environ, request: dict | None):
     if request is not None and float(request.get("ts", 0)) < started:
         log.info("acting on the stop request written before this driver started (%s)", request)
     if request is not None and not request.get("savepoint"):
