@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import closing
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +22,7 @@ from onceflow.sources.kafka.options import (
     KafkaDataLossError,
     Settings,
 )
+from onceflow.sources.prefetch import prefetched
 
 log = logging.getLogger("onceflow.sources.kafka")
 
@@ -46,33 +47,11 @@ def read_range(settings: Settings, schema: StructType,
     from pyspark.sql.pandas.types import to_arrow_schema
 
     arrow_schema = to_arrow_schema(schema, timezone="UTC")
-    chunks: queue.Queue = queue.Queue(maxsize=4)
-    done = threading.Event()
-
-    def pump() -> None:
-        try:
-            for msgs in _fetch(settings, part, batch_rows, done):
-                while not done.is_set():
-                    try:
-                        chunks.put(msgs, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-            chunks.put(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
-            chunks.put(e)
-
-    fetcher = threading.Thread(target=pump, name=f"onceflow-kafka-{part.topic}-{part.partition}",
-                               daemon=True)
-    fetcher.start()
-    try:
-        while (item := chunks.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield _batch(item, part.topic, part.partition, arrow_schema)
-    finally:
-        done.set()
-        fetcher.join(timeout=30)
+    ahead = prefetched(lambda done: _fetch(settings, part, batch_rows, done),
+                       f"onceflow-kafka-{part.topic}-{part.partition}")
+    with closing(ahead):
+        for msgs in ahead:
+            yield _batch(msgs, part.topic, part.partition, arrow_schema)
 
 
 def _fetch(settings: Settings, part: KafkaInputPartition, batch_rows: int,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import closing
 
 import pyarrow as pa
 from pyspark.sql.datasource import InputPartition
@@ -22,6 +22,7 @@ from onceflow.sources.kinesis.shards import (
     responses,
 )
 from onceflow.sources.kinesis.spill import read_spill, to_arrow
+from onceflow.sources.prefetch import prefetched
 
 log = logging.getLogger("onceflow.sources.kinesis")
 
@@ -48,33 +49,13 @@ def read_range(s: Settings, schema: StructType, part: KinesisInputPartition) -> 
     if spilled is not None:  # the driver read this range while planning it
         yield from spilled
         return
-    chunks: queue.Queue = queue.Queue(maxsize=4)
-    done = threading.Event()
     throttled_before = THROTTLED.value
-
-    def pump() -> None:
-        try:
-            for records in _fetch(s, part, done):
-                while not done.is_set():
-                    try:
-                        chunks.put(records, timeout=0.5)
-                        break
-                    except queue.Full:
-                        continue
-            chunks.put(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the reading thread
-            chunks.put(e)
-
-    fetcher = threading.Thread(target=pump, name=f"onceflow-kinesis-{part.shard}", daemon=True)
-    fetcher.start()
+    ahead = prefetched(lambda done: _fetch(s, part, done), f"onceflow-kinesis-{part.shard}")
     try:
-        while (item := chunks.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            yield to_arrow(item, part.stream, part.shard, arrow_schema)
+        with closing(ahead):
+            for records in ahead:
+                yield to_arrow(records, part.stream, part.shard, arrow_schema)
     finally:
-        done.set()
-        fetcher.join(timeout=30)
         throttled = THROTTLED.value - throttled_before
         if throttled:
             record_event(s, "source_throttled", where="task", stream=part.stream, shard=part.shard,
