@@ -22,7 +22,7 @@ from rich.console import Console
               help="Kill once the warm standby driver is ready again (steady state, at most 30 s "
               "after the driver came up), or as soon as the driver commits.")
 def demo(events: int, rate: int, kills: int, workdir: str, seed: int | None, wait_standby: bool) -> None:
-    """Run the seeds/000 scenario: crash the driver, restart, prove exactly-once."""
+    """Run a failover scenario: crash the driver, restart, prove exactly-once."""
     from onceflow.demo import DemoRunner, print_result
 
     console = Console()

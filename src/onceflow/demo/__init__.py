@@ -1,4 +1,4 @@
-"""``onceflow demo``: the seeds/000 scenario, on embedded defaults, with real crashes.
+"""``onceflow demo``: a failover scenario (event ids, driver SIGKILLs, the proof), on embedded defaults, with real crashes.
 
 A supervised driver runs :mod:`onceflow.demo.job` (consecutive event ids -> running count
 per key -> Delta table). The demo SIGKILLs the driver's whole process group (driver, JVM,

@@ -1,4 +1,4 @@
-"""The demo job (seeds/000): consecutive event ids -> running count per key -> Delta.
+"""The demo job: consecutive event ids -> running count per key -> Delta.
 
 Configured by environment variables so the supervisor can restart it unchanged:
 ONCEFLOW_DEMO_DIR (work directory), ONCEFLOW_DEMO_EVENTS, ONCEFLOW_DEMO_RATE.

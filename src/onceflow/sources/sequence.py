@@ -1,4 +1,4 @@
-"""A replayable source of consecutive integer event ids (the seeds/000 scenario).
+"""A replayable source of consecutive integer event ids (the demo's and verify's stream).
 
 Offsets are ``{"next": n}`` and live only in Spark's checkpoint: batch N reads exactly ids
 ``[start, end)`` from ``offsets/N`` on every replay. New ids become available at

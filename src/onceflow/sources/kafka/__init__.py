@@ -4,7 +4,7 @@ Guarantees:
 - Offsets live only in Spark's checkpoint, as Spark's own Kafka source writes them:
   ``{"topic": {"0": 42}}`` = next offset to read per partition. Batch N reads exactly the
   ranges ``[offsets/N-1, offsets/N)`` on every replay; nothing is read back from Kafka's
-  consumer groups (seeds/004: a savepoint/rollback must be able to rewind the source).
+  consumer groups (a savepoint/rollback must be able to rewind the source).
 - ``startingOffsets`` / ``startingTimestamp`` only decide the very first batch of a new
   checkpoint; a restored query always continues from its checkpointed offsets.
 - ``read_committed`` by default. Transaction markers leave offset gaps; a range ends when the

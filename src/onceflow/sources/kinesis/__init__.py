@@ -4,8 +4,8 @@ Guarantees:
 - Shards are the partitions. Positions live only in Spark's checkpoint, as
   ``{"stream": {"shardId-000000000000": "<sequence number>"}}`` (the last record read per
   shard); no KCL lease table, no DynamoDB, nothing stored in AWS. Batch N reads exactly the
-  records after ``offsets/N-1`` up to and including ``offsets/N`` on every replay (seeds/004:
-  a savepoint or rollback rewinds the source with the state and the sink's decisions).
+  records after ``offsets/N-1`` up to and including ``offsets/N`` on every replay
+  (a savepoint or rollback rewinds the source with the state and the sink's decisions).
 - ``startingPosition`` (TRIM_HORIZON, LATEST, AT_TIMESTAMP, per-shard sequence numbers) only
   decides where a new checkpoint starts; it is pinned to concrete positions once (and kept
   in the checkpoint under a onceflow Job), and a restored query always continues from its
