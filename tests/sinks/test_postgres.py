@@ -730,6 +730,31 @@ def test_zombie_driver_is_fenced_and_nothing_of_it_becomes_visible(pg, pg_noprep
     assert prepared(server, sink.sink_id) == []
 
 
+def test_two_phase_task_leaves_no_prepared_transaction_once_its_epoch_is_superseded(pg):
+    """A zombie's task that connected after its successor's takeover (so the takeover's
+    termination of old-epoch sessions missed it) PREPAREs after the successor's recovery ran:
+    no decision will list that gid. The task rolls it back itself and is fenced.
+    Old code: the prepared transaction stayed until a later task of the successor cleaned it
+    (forever, if the successor had finished)."""
+    sink = make_sink(pg, "two_phase")
+    lineage = str(uuid.uuid4())
+    _, epoch, task = opened(sink, lineage)
+
+    def batches():
+        import pyarrow as pa
+
+        yield pa.RecordBatch.from_arrays([pa.array(range(10), pa.int64())], names=["id"])
+        execute(pg, f"UPDATE onceflow_epochs SET epoch = epoch + 1 WHERE lineage = '{lineage}'")
+        yield pa.RecordBatch.from_arrays([pa.array(range(10, 20), pa.int64())], names=["id"])
+
+    from onceflow.sinks.base import TaskInfo
+
+    with pytest.raises(FencedError, match=f"write refused: this driver holds epoch {epoch}"):
+        task.pre_commit(TaskInfo(lineage, 1, 0, 0), _kv(), False, batches())
+    assert prepared(pg, sink.sink_id) == []
+    assert rows(pg, f"SELECT count(*) FROM {sink.table}") == [(0,)]
+
+
 def test_idempotent_task_commits_nothing_once_its_epoch_is_superseded(pg_noprepared):
     """An idempotent task's transaction makes its rows visible, so it re-reads the epoch FOR
     SHARE in that transaction: a successor opening while the task writes makes it roll back

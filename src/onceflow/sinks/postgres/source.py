@@ -398,6 +398,13 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
                         "coalesce() the stream to fewer partitions, or resolve dangling prepared "
                         "transactions (onceflow doctor --postgres DSN --resolve)"
                     ) from None
+            # A successor took a newer epoch while this task wrote (its driver is a zombie; the
+            # successor's recovery may have run before this PREPARE and cannot have seen it): no
+            # decision will ever list this gid, so do not leave it dangling.
+            current = fence.stored_epoch(conn, self.epoch_table, self.sink_id, lineage)
+            if self.epoch is not None and current > epoch:
+                self._finish(conn, "ROLLBACK", gid)
+                raise fenced(FORMAT, lineage, epoch, current, "write")
             # A decision recorded meanwhile cannot list this gid: do not leave it dangling.
             if self._is_decided(conn, lineage, task.batch_id):
                 self._finish(conn, "ROLLBACK", gid)
