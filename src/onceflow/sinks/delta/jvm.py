@@ -48,12 +48,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Write options, applied to the write's Hadoop configuration only: task commit moves the
-#: files into the attempt directory (no second rename at job commit), no ``_SUCCESS`` marker.
-#: The attempt directory is invisible until the Delta commit, which is the atomic step.
+#: Write options, applied to this write's Hadoop configuration only: task commit moves the
+#: files into the attempt directory (no second rename at job commit), no ``_SUCCESS`` marker
+#: (the attempt directory is invisible until the Delta commit, which is the atomic step), and
+#: Hadoop's raw local filesystem: no ``.crc`` side files, which no Delta reader checks.
 WRITE_OPTIONS = {
     "mapreduce.fileoutputcommitter.algorithm.version": "2",
     "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
+    "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+    "fs.file.impl.disable.cache": "true",
 }
 #: Session settings of the stream's own session (Spark clones the session per query, so the
 #: user's session is untouched): Delta readers expect INT64 microsecond timestamps, not INT96.
