@@ -13,7 +13,9 @@ Every transactional sink must keep each record's effect exactly once through:
   code 5).
 
 After each run an independent reader (not the sink's code) checks the output: every id
-exactly once, nothing dangling (orphan Parquet files, prepared transactions).
+exactly once, nothing dangling (orphan Parquet files or attempt directories, prepared
+transactions). Delta's JVM write path (``delta-jvm``) runs the crash windows only; its fencing
+is the Arrow path's code (and tests/sinks/test_delta.py fences a zombie's ``foreachBatch``).
 
 Kafka runs on tansu, which does not hide aborted transactions from read_committed readers
 (the sink's probe refuses exactly_once there; here it is bypassed). In these windows no
