@@ -28,15 +28,31 @@ PIPELINES = {
     "stateless": ("value AS id", "value % 1000 AS k"),
     "payload": ("value AS id", "value % 16 AS key", "timestamp AS event_time", "concat('payload-', value) AS payload"),
 }
-SINKS = {"parquet (built-in file sink)": "parquet", "onceflow-delta": "onceflow-delta"}
+SINKS = {"parquet (built-in file sink)": "parquet", "onceflow-delta (arrow)": "onceflow-delta",
+         "onceflow-delta (jvm)": "onceflow-delta-jvm"}
 
 
 def written(spark, fmt: str, out: str) -> int:
-    if fmt == "onceflow-delta":
+    if fmt.startswith("onceflow-delta"):
         from deltalake import DeltaTable
 
         return DeltaTable(out).to_pyarrow_dataset().count_rows()
     return spark.read.parquet(out).count()
+
+
+def jvm_writer(df, out: str, ckpt: str):
+    """DeltaSink(writer="jvm") started as the Job runner starts it: open (epoch, recovery),
+    then its foreachBatch writer."""
+    from onceflow.checkpoint.layout import CheckpointDir
+    from onceflow.runtime.runner import ensure_lineage
+    from onceflow.sinks.delta import DeltaSink
+
+    sink = DeltaSink(out, writer="jvm")
+    source = sink.data_source({"checkpointlocation": ckpt})
+    source.write_schema = df.schema
+    source.validate(df.schema, False)
+    source.open(ensure_lineage(CheckpointDir(ckpt)))
+    return sink.stream_writer(df, source, sink.options(), False)
 
 
 def run(spark, fmt: str, pipeline: str, per_batch: int, batches: int, root: str) -> float:
@@ -45,10 +61,13 @@ def run(spark, fmt: str, pipeline: str, per_batch: int, batches: int, root: str)
     shutil.rmtree(root, ignore_errors=True)
     progress = []
     for _ in range(batches + 1):
-        q = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", per_batch)
-             .option("numPartitions", 2).load().selectExpr(*PIPELINES[pipeline])
-             .writeStream.format(fmt).option("checkpointLocation", ckpt).option("path", out)
-             .trigger(availableNow=True).start())
+        df = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", per_batch)
+              .option("numPartitions", 2).load().selectExpr(*PIPELINES[pipeline]))
+        if fmt == "onceflow-delta-jvm":
+            writer = jvm_writer(df, out, ckpt)
+        else:
+            writer = df.writeStream.format(fmt).option("path", out)
+        q = writer.option("checkpointLocation", ckpt).trigger(availableNow=True).start()
         q.awaitTermination()
         if q.exception():
             raise SystemExit(f"{fmt}: {q.exception()}")

@@ -412,3 +412,96 @@ def test_files_a_woken_zombie_writes_late_are_removed_by_the_successors_next_com
     assert not (path / late["path"]).exists(), "the zombie's late file was left behind"
     assert (path / first["path"]).exists() and (path / replayed["path"]).exists()
     assert sorted(DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == [0, 1, 2, 3, 4, 5]
+
+
+# ---- the JVM write path (DeltaSink(writer="jvm")) -------------------------------------------------
+
+
+def test_attempt_directories_are_cleaned_whole_and_seen_by_every_check(tmp_path):
+    """The JVM path's per-attempt directories: validate() accepts them where it refuses a
+    foreign file; the dangling check reports a directory the log does not reference; a batch's
+    commit removes its losing attempt's directory whole (a half-written one with _temporary
+    too), and a successor's recovery removes an older epoch's undecided one. No Spark: the
+    sink's classes on directories written with pyarrow, in the order the JVM path uses them."""
+    import uuid
+
+    import pyarrow.parquet as pq
+    from pyspark.sql.types import LongType, StructField, StructType
+
+    from onceflow.sinks.base import Decision
+    from onceflow.sinks.delta import DeltaDataSource
+    from onceflow.sinks.delta.files import dir_name
+    from onceflow.verify.readers import delta_dangling
+
+    path = tmp_path / "table"
+    lineage = str(uuid.uuid4())
+    schema = StructType([StructField("id", LongType())])
+
+    def attempt(epoch: int, batch: int, ids: list[int], half_written: bool = False) -> dict:
+        name = dir_name(lineage, epoch, batch)
+        (path / name).mkdir(parents=True)
+        pq.write_table(pa.table({"id": pa.array(ids, pa.int64())}), path / name / "part-00000-x-c000.snappy.parquet")
+        if half_written:
+            (path / name / "_temporary" / "0").mkdir(parents=True)
+        f = f"{name}/part-00000-x-c000.snappy.parquet"
+        return {"path": f, "size": (path / f).stat().st_size, "rows": len(ids), "mtime": 0}
+
+    attempt(0, 0, [9])  # a foreign-looking leftover of an older epoch, before the table exists
+    ds = DeltaDataSource({"path": str(path)})
+    ds.write_schema = schema
+    ds.validate(schema, False)  # an attempt directory is the sink's own, not a foreign file
+    (path / "notes.csv").write_text("x")
+    with pytest.raises(ConfigError, match="not a Delta table"):
+        DeltaDataSource({"path": str(path)}).validate(schema, False)
+    (path / "notes.csv").unlink()
+
+    epoch = ds.open(lineage)
+    assert not any(p.is_dir() and p.name != "_delta_log" for p in path.iterdir()), "older epoch's orphan"
+    lost, won, later = attempt(epoch, 0, [0, 1], half_written=True), attempt(epoch, 0, [0, 1]), attempt(epoch, 1, [2])
+    lost_dir, won_dir, later_dir = (h["path"].split("/")[0] for h in (lost, won, later))
+    assert delta_dangling(str(path)) == sorted(f"{d}/" for d in (lost_dir, won_dir, later_dir))
+    decision = Decision(lineage, 0, "fp-0", [won], epoch)
+    ds.decide(decision, schema, False)
+    ds.commit(decision)
+    assert not (path / lost_dir).exists() and (path / won_dir).exists()
+    assert (path / later_dir).exists(), "the same epoch's next batch may be in flight"
+    assert delta_dangling(str(path)) == [f"{later_dir}/"]
+
+    successor = DeltaDataSource({"path": str(path)})
+    successor.write_schema = schema
+    assert successor.open(lineage) > epoch
+    assert not (path / later_dir).exists() and delta_dangling(str(path)) == []
+    assert sorted(DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == [0, 1]
+
+
+def test_jvm_writer_of_an_older_epoch_commits_nothing_and_its_directory_goes(spark, tmp_path):
+    """A zombie's foreachBatch (epoch 1) runs after a successor opened the sink (epoch 2):
+    Spark writes its attempt directory, its decide is refused (FencedError) and nothing
+    becomes visible; the successor's run of the same batch commits it once and removes the
+    zombie's directory. Replaying the decided batch writes nothing."""
+    import uuid
+
+    from onceflow.errors import FencedError
+    from onceflow.sinks.delta import DeltaDataSource
+    from onceflow.sinks.delta.jvm import JvmBatchWriter
+    from onceflow.verify.readers import delta_dangling
+
+    path = tmp_path / "table"
+    lineage = str(uuid.uuid4())
+    df = spark.range(0, 1000, numPartitions=2)
+    opts = {"path": str(path), "writer": "jvm", "lineage": lineage, "allow_unknown_fingerprint": "true"}
+    zombie, successor = DeltaDataSource(opts), DeltaDataSource(opts)
+    for ds in (zombie, successor):
+        ds.write_schema = df.schema
+        ds.validate(df.schema, False)
+    zombie.open(lineage)
+    successor.open(lineage)
+    with pytest.raises(FencedError, match="opened the sink since"):
+        JvmBatchWriter(zombie, df.schema, False)(df, 0)
+    assert DeltaTable(str(path)).to_pyarrow_table().num_rows == 0
+    assert len(delta_dangling(str(path))) == 1, "the zombie's attempt directory"
+    JvmBatchWriter(successor, df.schema, False)(df, 0)
+    JvmBatchWriter(successor, df.schema, False)(df, 0)  # a replay of the decided batch
+    ids = DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()
+    assert sorted(ids) == list(range(1000))
+    assert delta_dangling(str(path)) == []

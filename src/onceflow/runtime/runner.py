@@ -268,8 +268,7 @@ class JobRunner:
         source.write_schema = df.schema
         source.validate(df.schema, job.output_mode == "complete")
         writer = (
-            df.writeStream.format(job.sink.format_name)
-            .options(**sink_opts)
+            job.sink.stream_writer(df, source, sink_opts, job.output_mode == "complete")
             .option("checkpointLocation", self.url)
             .outputMode(job.output_mode)
             .queryName(job.name)

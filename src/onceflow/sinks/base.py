@@ -421,6 +421,13 @@ class Sink(ABC):
     def options(self) -> dict[str, str]:
         """Spark options for ``df.writeStream.format(format_name).options(**options())``."""
 
+    def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],
+                      overwrite: bool) -> Any:
+        """The query's ``DataStreamWriter`` before the runner sets checkpoint location, output
+        mode, trigger and name: the data source ``format_name`` with ``options``. ``source`` is
+        the data source instance the runner opens (it holds the fencing epoch once opened)."""
+        return df.writeStream.format(self.format_name).options(**options)
+
     def data_source(self, extra: Mapping[str, str] | None = None) -> TwoPhaseCommitSink:
         """The data source instance with these options (used for pre-flight checks)."""
         from onceflow.sinks.registry import SINKS, _load

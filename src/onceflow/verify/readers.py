@@ -1,7 +1,8 @@
 """Independent readers: what a sink made visible, read without any onceflow sink code.
 
 * Delta: delta-rs reads the table's log and files (the sink's decision and fencing code is
-  not involved). Dangling: Parquet files in the table directory that no log entry adds.
+  not involved). Dangling: Parquet files in the table directory that no log entry adds, and
+  directories (the JVM write path's per-attempt ones) none of whose files it adds.
 * PostgreSQL: a plain ``SELECT``. Dangling: prepared transactions of this sink
   (``pg_prepared_xacts``) still waiting for a decision.
 * Kafka: a ``read_committed`` consumer reading every partition to its end. A broker that does
@@ -56,17 +57,38 @@ def _read_delta(spec: VerifySpec) -> pa.Table:
 
 
 def _delta_orphans(spec: VerifySpec) -> list[str]:
+    return delta_dangling(spec.table)
+
+
+def delta_dangling(table: str) -> list[str]:
+    """What a local Delta table directory holds that no log entry adds: Parquet files the log
+    does not list, and directories (the JVM write path's per-attempt directories, possibly
+    half-written) none of whose files the log lists, named with a trailing ``/``."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
-    if not os.path.isdir(spec.table):
+    if not os.path.isdir(table):
         return []
     try:
-        adds = pa.table(DeltaTable(spec.table).get_add_actions(flatten=True)).column("path").to_pylist()
+        adds = pa.table(DeltaTable(table).get_add_actions(flatten=True)).column("path").to_pylist()
     except TableNotFoundError:
         adds = []
-    live = {os.path.basename(p) for p in adds}
-    return sorted(n for n in os.listdir(spec.table) if n.endswith(".parquet") and n not in live)
+    live = set(adds)
+    live_dirs = {p.split("/", 1)[0] for p in adds if "/" in p}
+    out = []
+    for name in os.listdir(table):
+        if os.path.isdir(os.path.join(table, name)):
+            if name == "_delta_log":
+                continue
+            if name not in live_dirs:
+                out.append(f"{name}/")
+                continue
+            for root, _, files in os.walk(os.path.join(table, name)):
+                rel = os.path.relpath(root, table).replace(os.sep, "/")
+                out += [f"{rel}/{f}" for f in files if f.endswith(".parquet") and f"{rel}/{f}" not in live]
+        elif name.endswith(".parquet") and name not in live:
+            out.append(name)
+    return sorted(out)
 
 
 def _pg_query(spec: VerifySpec, sql: str, params: tuple = ()) -> list[tuple]:

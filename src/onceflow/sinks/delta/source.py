@@ -1,11 +1,12 @@
-"""Exactly-once Delta Lake sink on delta-rs (no JVM jars).
+"""The Delta sink's data source: decision, fencing, recovery; the Arrow write path's tasks.
 
-Tasks write Parquet files into the table directory (invisible: not in the Delta log). The
-driver commits one Delta version with every add action and an app transaction
+Tasks (Arrow path) write Parquet files into the table directory (invisible: not in the Delta
+log); the JVM path (:mod:`onceflow.sinks.delta.jvm`) has Spark write a per-attempt directory
+instead. The driver commits one Delta version with every add action and an app transaction
 ``onceflow-<sink>-<lineage>`` at version = batch id: decision and commit are one atomic
 log write, so the crash windows "after decide" and "mid-commit" cannot occur. A replayed
-batch finds the app transaction and writes nothing. Files of failed or speculative attempts
-are deleted after the batch commits and on recovery.
+batch finds the app transaction and writes nothing. Files and directories of failed or
+speculative attempts are deleted after the batch commits and on recovery.
 
 Fencing: the epoch of (sink, lineage) is a second app transaction
 ``onceflow-<sink>-<lineage>-epoch`` in the same Delta log. :meth:`DeltaDataSource.acquire_epoch`
@@ -14,8 +15,8 @@ of exactly the snapshot it checked (``max_commit_retries=0``: Delta's put-if-abs
 log version is the compare-and-swap), and that snapshot must show the caller's epoch as the
 latest and batch N undecided. A driver paused anywhere and resumed after a successor opened the
 sink therefore commits nothing: its snapshot is stale (the commit fails) or shows the newer
-epoch (FencedError). Task files carry their writer's epoch in their name; recovery deletes only
-orphans of older epochs, so a zombie never deletes a successor's files.
+epoch (FencedError). Task files and attempt directories carry their writer's epoch in their
+name; recovery deletes only orphans of older epochs, so a zombie never deletes a successor's.
 
 Modes: ``append`` adds the batch's rows; ``complete`` replaces the table's contents with the
 batch's result in the same single commit. Guarantee for both: exactly-once.
@@ -24,51 +25,41 @@ batch's result in the same single commit. Guarantee for both: exactly-once.
 from __future__ import annotations
 
 import json
-import re
 import threading
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, create_table_with_add_actions
-from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
 from pyspark.sql.types import StructType
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
-from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
-from onceflow.storage import as_options, delta_target, normalize_url, resolve, url_to_fs
+from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.sinks.delta.files import (
+    commit_meta,
+    compatible,
+    delta_schema,
+    dictionary_columns,
+    file_name,
+    parse_unit,
+    remove_units,
+    to_arrow_schema,
+    unit,
+)
+from onceflow.storage import as_options, delta_target, normalize_url, scheme_of, url_to_fs
 
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
 _TABLES: dict[tuple[str, str], DeltaTable] = {}  # per process: see DeltaDataSource._table
 _TABLES_LOCK = threading.Lock()
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
-_FILE = re.compile(
-    r"^part-of-(?P<lineage>[0-9a-f-]{36})(?:-e(?P<epoch>\d+))?-b(?P<batch>\d+)-p(?P<part>\d+)"
-    r"-a(?P<att>\d+)-[0-9a-f]+\.parquet$"
-)
 #: Conditional commits lost to other writers of the table before giving up (SinkError).
 _MAX_CONFLICTS = 100
-
-
-def to_arrow_schema(schema: StructType) -> pa.Schema:
-    """Spark schema -> Arrow schema as Spark's Arrow batches carry it (timestamps in UTC)."""
-    return _to_arrow_schema(schema, timezone="UTC")
-
-
-def _file_name(task: TaskInfo, epoch: int | None) -> str:
-    return (
-        f"part-of-{task.lineage}-e{epoch or 0}-b{task.batch_id:010d}-p{task.partition:05d}"
-        f"-a{task.attempt}-{uuid.uuid4().hex[:12]}.parquet"
-    )
 
 
 class DeltaDataSource(TwoPhaseCommitSink):
@@ -84,6 +75,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         "row_group_rows": "rows per Parquet row group (default 1000000)",
         "storage_options": "JSON object of object-store options, fsspec or delta-rs keys "
                            "(default: the job's, else ONCEFLOW_STORAGE_OPTIONS; docs/object-stores.md)",
+        "writer": "arrow (default) or jvm (Spark's Parquet writer per batch; DeltaSink in a Job only)",
     }
 
     def __init__(self, options):
@@ -97,6 +89,9 @@ class DeltaDataSource(TwoPhaseCommitSink):
         if mode not in (None, "append", "complete"):
             raise ConfigError(f"onceflow-delta: mode={mode!r}; use 'append' or 'complete'")
         self.mode = mode
+        self.writer = self.opts.get("writer") or "arrow"
+        if self.writer not in ("arrow", "jvm"):
+            raise ConfigError(f"onceflow-delta: writer={self.writer!r}; use 'arrow' or 'jvm'")
         try:
             self.row_group_rows = int(self.opts.get("row_group_rows", 1_000_000))
         except ValueError:
@@ -147,7 +142,20 @@ class DeltaDataSource(TwoPhaseCommitSink):
         """The effective mode: Spark's complete output mode means complete, else append."""
         return "complete" if overwrite else "append"
 
+    def streamWriter(self, schema: StructType, overwrite: bool):
+        """The Arrow path's writer; the JVM path is not a data source (Job API only)."""
+        if self.writer == "jvm":
+            raise ConfigError("onceflow-delta: writer=jvm is DeltaSink(..., writer='jvm') in a Job "
+                              "(it runs as foreachBatch); with writeStream.format('onceflow-delta') "
+                              "leave the writer option out")
+        return super().streamWriter(schema, overwrite)
+
     def validate(self, schema: StructType, overwrite: bool) -> None:
+        if self.writer == "jvm" and scheme_of(self.table_url) not in ("", "file"):
+            raise ConfigError(
+                f"onceflow-delta: writer='jvm' writes through Spark's Hadoop filesystem and supports "
+                f"local tables only; {self.table_url}: use writer='arrow' (the default)"
+            )
         if self.mode is not None and self.mode != self._mode(overwrite):
             raise ConfigError(
                 f"onceflow-delta: sink mode {self.mode!r} does not match the query's output mode "
@@ -159,7 +167,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         if table is None:
             foreign = [
                 n for n in (fs.ls(path, detail=False) if fs.exists(path) else [])
-                if not _FILE.match(n.rstrip("/").rsplit("/", 1)[-1])
+                if not parse_unit(n.rstrip("/").rsplit("/", 1)[-1])
             ]
             if foreign:
                 raise ConfigError(
@@ -183,7 +191,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         bad = [
             f"{n} ({want_cols[n]} vs table {have_cols[n]})"
             for n in want_cols
-            if not _compatible(want_cols[n], have_cols[n])
+            if not compatible(want_cols[n], have_cols[n])
         ]
         if bad:
             raise ConfigError(
@@ -202,7 +210,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
         arrow_schema = to_arrow_schema(schema)
-        name = _file_name(task, self.epoch)
+        name = file_name(task, self.epoch)
         fs, path = self._fs()
         rows = 0
         full = f"{path}/{name}"
@@ -215,7 +223,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         batch = batch.cast(arrow_schema) if batch.schema != arrow_schema else batch
                         if writer is None:
                             writer = pq.ParquetWriter(f, arrow_schema, compression="snappy",
-                                                      use_dictionary=_dictionary_columns(batch))
+                                                      use_dictionary=dictionary_columns(batch))
                         writer.write_batch(batch, row_group_size=self.row_group_rows)
                         rows += batch.num_rows
             finally:
@@ -238,7 +246,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         version = table.transaction_version(self.app_id(lineage))
         if version is None or version < batch_id:
             return None
-        meta = _commit_meta(table, lineage, batch_id)
+        meta = commit_meta(table, lineage, batch_id)
         if meta is None:  # decided, but its commit entry is gone (log cleanup): files unknown
             return Decision(lineage, batch_id, "unknown", handles=None)
         files = meta.get("files", [])
@@ -261,7 +269,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         raise ConfigError(f"onceflow-delta: {self.table_url} does not exist and the "
                                           "stream's schema is unknown; start the query to create it")
                     create_table_with_add_actions(
-                        self._delta_url, _delta_schema(to_arrow_schema(self.write_schema)), [],
+                        self._delta_url, delta_schema(to_arrow_schema(self.write_schema)), [],
                         mode="append", storage_options=self._delta_opts, commit_properties=props)
                 else:
                     table.create_write_transaction([], "append", pa.schema(table.schema().to_arrow()),
@@ -345,7 +353,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def _remember(self, decision: Decision) -> None:
         decided = self._decided_here(decision.lineage)
-        decided[decision.batch_id] = frozenset(h["path"] for h in decision.handles)
+        decided[decision.batch_id] = frozenset(unit(h["path"]) for h in decision.handles)
         while len(decided) > _DECIDED_KEPT:
             decided.popitem(last=False)
 
@@ -362,7 +370,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
             return
-        keep = {h["path"] for h in decision.handles}
+        keep = {unit(h["path"]) for h in decision.handles}
         mine, decided_here = self.epoch, self._decided_here(decision.lineage)
 
         def losing(b: int, e: int, name: str) -> bool:
@@ -374,9 +382,9 @@ class DeltaDataSource(TwoPhaseCommitSink):
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         fs, path = self._fs()
-        for h in handles:
-            if h:
-                fs.rm(f"{path}/{h['path']}") if fs.exists(f"{path}/{h['path']}") else None
+        for name in {unit(h["path"]) for h in handles if h}:
+            if fs.exists(f"{path}/{name}"):
+                fs.rm(f"{path}/{name}", recursive=True)
 
     def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
         """Delete this lineage's files that no decision references, written under an older epoch.
@@ -393,13 +401,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
         mine = self.epoch
         version = table.transaction_version(self.app_id(lineage))
         last = -1 if version is None else version
-        keep = {h["path"] for h in in_flight if h}
+        keep = {unit(h["path"]) for h in in_flight if h}
         if last >= 0:
-            meta = _commit_meta(table, lineage, last)
+            meta = commit_meta(table, lineage, last)
             if meta is None:  # unknown file list: only clean batches after the decided one
                 last_files = None
             else:
-                last_files = set(meta.get("files", []))
+                last_files = {unit(p) for p in meta.get("files", [])}
         else:
             last_files = set()
 
@@ -413,94 +421,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         return {"orphans_removed": self._remove_files(lineage, orphan)}
 
     def _remove_files(self, lineage: str, predicate) -> int:
-        """Delete this lineage's task files for which ``predicate(batch, epoch, name)`` holds."""
+        """Delete this lineage's units (task files, per-batch directories) for which
+        ``predicate(batch, epoch, unit_name)`` holds."""
         fs, path = self._fs()
-        removed = 0
-        for full in fs.ls(path, detail=False):
-            name = full.rstrip("/").rsplit("/", 1)[-1]
-            m = _FILE.match(name)
-            if m and m["lineage"] == lineage and predicate(int(m["batch"]), int(m["epoch"] or 0), name):
-                fs.rm(full)
-                removed += 1
-        return removed
-
-
-def _commit_meta(table: DeltaTable, lineage: str, batch_id: int) -> dict | None:
-    """onceflow's commit info (fingerprint, files) of batch N of this lineage, newest first.
-
-    Looks at recent versions first and only then walks the whole remaining log.
-    """
-    for limit in (64, None):
-        for entry in table.history(limit=limit):
-            meta = entry.get("onceflow")
-            if isinstance(meta, str):
-                meta = json.loads(meta)
-            if meta and meta.get("lineage") == lineage and meta.get("batch") == batch_id:
-                return meta
-    return None
-
-
-def _dictionary_columns(batch: pa.RecordBatch, sample: int = 10_000) -> list[str] | bool:
-    """Columns worth dictionary-encoding, judged on the first rows: those with few distinct
-    values. A column of mostly unique values (ids, timestamps) would be dictionary-encoded
-    until the dictionary page fills and then fall back: twice the encoding work for a larger
-    file. Nested schemas keep Parquet's default (every column)."""
-    if any(pa.types.is_nested(f.type) for f in batch.schema):
-        return True
-    head = batch.slice(0, sample)
-    keep = []
-    for name, column in zip(head.schema.names, head.columns, strict=True):
-        try:
-            if pc.count_distinct(column).as_py() <= 0.3 * len(column):
-                keep.append(name)
-        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
-            keep.append(name)
-    return keep
-
-
-def _compatible(a: pa.DataType, b: pa.DataType) -> bool:
-    if a == b:
-        return True
-    norm = {pa.large_string(): pa.string(), pa.large_binary(): pa.binary(), pa.string_view(): pa.string()}
-    a, b = norm.get(a, a), norm.get(b, b)
-    if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
-        return True
-    return a == b
-
-
-def _delta_schema(arrow_schema: pa.Schema):
-    from deltalake import Schema
-
-    return Schema.from_arrow(arrow_schema)
-
-
-@dataclass
-class DeltaSink(Sink):
-    """Exactly-once Delta Lake sink for a :class:`~onceflow.Job` (or ``writeStream``).
-
-    ``path``: table URL; ``mode``: ``append`` or ``complete`` (default: follow the query's
-    output mode; a mode that contradicts it is refused); ``sink_id`` distinguishes two Delta
-    sinks of one job writing the same table. ``storage_options``: object-store options for this
-    table (fsspec or delta-rs keys, docs/object-stores.md); default: the job's, else
-    ``ONCEFLOW_STORAGE_OPTIONS``. They reach the executors as the ``storage_options`` option
-    (JSON; Spark redacts option values that look secret in plans and the UI).
-    """
-
-    path: str
-    mode: str | None = None
-    sink_id: str = "delta"
-    storage_options: Mapping[str, Any] | None = None
-
-    format_name = "onceflow-delta"
-
-    def __post_init__(self) -> None:
-        self.storage_options = as_options(self.storage_options, "DeltaSink.storage_options")
-
-    def options(self) -> dict[str, str]:
-        opts = {"path": str(self.path), "sink_id": self.sink_id}
-        if self.mode:
-            opts["mode"] = self.mode
-        resolved = resolve(str(self.path), self.storage_options)  # executors have no job
-        if resolved:
-            opts["storage_options"] = json.dumps(resolved)
-        return opts
+        return remove_units(fs, path, lineage, predicate)

@@ -1,0 +1,127 @@
+"""What the Delta sink writes into the table directory, and how it finds it again.
+
+A *unit* is what one write attempt leaves in the table directory and what clean-up deletes
+whole: a task file of the Arrow path, ``part-of-<lineage>-e<epoch>-b<batch>-p<part>-a<attempt>-
+<uuid>.parquet``, or a per-batch directory of the JVM path, ``part-of-<lineage>-e<epoch>-
+b<batch>-d<uuid>/`` holding the files Spark's Parquet writer wrote for one attempt of the
+batch. Both names carry the lineage, the writer's epoch and the batch id, so recovery and
+commit decide from the name alone what is an orphan. A handle's ``path`` (relative to the
+table) starts with its unit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
+from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
+from pyspark.sql.types import StructType
+
+from onceflow.sinks.base import TaskInfo
+
+_FILE = re.compile(
+    r"^part-of-(?P<lineage>[0-9a-f-]{36})(?:-e(?P<epoch>\d+))?-b(?P<batch>\d+)-p(?P<part>\d+)"
+    r"-a(?P<att>\d+)-[0-9a-f]+\.parquet$"
+)
+_DIR = re.compile(r"^part-of-(?P<lineage>[0-9a-f-]{36})-e(?P<epoch>\d+)-b(?P<batch>\d+)-d[0-9a-f]+$")
+
+
+def to_arrow_schema(schema: StructType) -> pa.Schema:
+    """Spark schema -> Arrow schema as Spark's Arrow batches carry it (timestamps in UTC)."""
+    return _to_arrow_schema(schema, timezone="UTC")
+
+
+def file_name(task: TaskInfo, epoch: int | None) -> str:
+    """The Arrow path's task file name."""
+    return (
+        f"part-of-{task.lineage}-e{epoch or 0}-b{task.batch_id:010d}-p{task.partition:05d}"
+        f"-a{task.attempt}-{uuid.uuid4().hex[:12]}.parquet"
+    )
+
+
+def dir_name(lineage: str, epoch: int | None, batch_id: int) -> str:
+    """The JVM path's directory for one attempt of one batch (unique per attempt)."""
+    return f"part-of-{lineage}-e{epoch or 0}-b{batch_id:010d}-d{uuid.uuid4().hex[:12]}"
+
+
+def unit(path: str) -> str:
+    """The unit (task file or per-batch directory) a handle's relative path belongs to."""
+    return path.split("/", 1)[0]
+
+
+def parse_unit(name: str) -> tuple[str, int, int] | None:
+    """(lineage, epoch, batch) of a unit name, None for anything else."""
+    m = _FILE.match(name) or _DIR.match(name)
+    return None if m is None else (m["lineage"], int(m["epoch"] or 0), int(m["batch"]))
+
+
+def remove_units(fs, path: str, lineage: str, predicate: Callable[[int, int, str], bool]) -> int:
+    """Delete this lineage's units for which ``predicate(batch, epoch, unit_name)`` holds
+    (directories with everything in them); return how many."""
+    removed = 0
+    for full in fs.ls(path, detail=False):
+        name = full.rstrip("/").rsplit("/", 1)[-1]
+        parsed = parse_unit(name)
+        if parsed and parsed[0] == lineage and predicate(parsed[2], parsed[1], name):
+            try:
+                fs.rm(full, recursive=True)
+            except FileNotFoundError:  # removed meanwhile (another clean-up): same outcome
+                pass
+            removed += 1
+    return removed
+
+
+def commit_meta(table: DeltaTable, lineage: str, batch_id: int) -> dict | None:
+    """onceflow's commit info (fingerprint, files) of batch N of this lineage, newest first.
+
+    Looks at recent versions first and only then walks the whole remaining log.
+    """
+    for limit in (64, None):
+        for entry in table.history(limit=limit):
+            meta = entry.get("onceflow")
+            if isinstance(meta, str):
+                meta = json.loads(meta)
+            if meta and meta.get("lineage") == lineage and meta.get("batch") == batch_id:
+                return meta
+    return None
+
+
+def dictionary_columns(batch: pa.RecordBatch, sample: int = 10_000) -> list[str] | bool:
+    """Columns worth dictionary-encoding, judged on the first rows: those with few distinct
+    values. A column of mostly unique values (ids, timestamps) would be dictionary-encoded
+    until the dictionary page fills and then fall back: twice the encoding work for a larger
+    file. Nested schemas keep Parquet's default (every column)."""
+    if any(pa.types.is_nested(f.type) for f in batch.schema):
+        return True
+    head = batch.slice(0, sample)
+    keep = []
+    for name, column in zip(head.schema.names, head.columns, strict=True):
+        try:
+            if pc.count_distinct(column).as_py() <= 0.3 * len(column):
+                keep.append(name)
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+            keep.append(name)
+    return keep
+
+
+def compatible(a: pa.DataType, b: pa.DataType) -> bool:
+    """A stream column of type ``a`` may be appended to a table column of type ``b``."""
+    if a == b:
+        return True
+    norm = {pa.large_string(): pa.string(), pa.large_binary(): pa.binary(), pa.string_view(): pa.string()}
+    a, b = norm.get(a, a), norm.get(b, b)
+    if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
+        return True
+    return a == b
+
+
+def delta_schema(arrow_schema: pa.Schema):
+    """The Delta schema of an Arrow schema."""
+    from deltalake import Schema
+
+    return Schema.from_arrow(arrow_schema)

@@ -1,0 +1,116 @@
+"""The Delta sink's JVM write path (``DeltaSink(..., writer="jvm")``).
+
+Spark's own Parquet writer writes each micro-batch (``foreachBatch``) into a directory of the
+table that is unique to the attempt, ``part-of-<lineage>-e<epoch>-b<batch>-d<uuid>/``; the
+driver then commits the files it finds there to the Delta log with exactly the decision,
+fingerprint and fencing rules of the Arrow path (:class:`~onceflow.sinks.base.
+TwoPhaseCommitWriter.commit`: one Delta version with the add actions and the app transaction,
+on top of a snapshot whose epoch is this driver's). No row crosses into Python.
+
+Guarantee (exactly-once), step by step, and what a crash leaves:
+
+1. the batch is already decided (the table's app transaction is at N or later): a replay.
+   The batch's rows are consumed by Spark's ``noop`` writer (upstream state commits) and
+   nothing is written; the commit step finds the decision, checks the fingerprint and removes
+   attempt directories of N that the decision does not list.
+2. ``before_precommit``; Spark writes the attempt directory (FileOutputCommitter algorithm 2
+   into the fresh directory, no ``_SUCCESS``); ``after_precommit``. A crash here leaves an
+   undecided directory: invisible (no log entry adds it), deleted by the next driver's
+   recovery (older epoch, batch after the last decided one) or by the commit of the batch's
+   replay in the same driver (same batch, not in the decision). A replay never reuses it.
+3. the directory's Parquet files (sizes from the listing, row counts from their footers)
+   become the handles of :meth:`TwoPhaseCommitWriter.commit`, which looks the decision up,
+   decides (epoch check and batch-undecided check in the same conditional log write), and
+   cleans up. A driver of an older epoch is refused there (FencedError) and commits nothing.
+
+Only through :class:`~onceflow.Job` (the runner opens the sink and holds the epoch) on a
+classic Spark session, for tables on the local filesystem (Spark's Hadoop filesystem writes
+the files; the Delta log is still written by delta-rs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import pyarrow.parquet as pq
+
+from onceflow.faults import maybe_crash
+from onceflow.sinks.base import PreCommitted, TwoPhaseCommitWriter
+from onceflow.sinks.delta.files import dir_name
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+    from pyspark.sql.types import StructType
+
+    from onceflow.sinks.delta.source import DeltaDataSource
+
+log = logging.getLogger(__name__)
+
+#: Write options, applied to this write's Hadoop configuration only: task commit moves the
+#: files into the attempt directory (no second rename at job commit), no ``_SUCCESS`` marker
+#: (the attempt directory is invisible until the Delta commit, which is the atomic step), and
+#: Hadoop's raw local filesystem: no ``.crc`` side files, which no Delta reader checks.
+WRITE_OPTIONS = {
+    "mapreduce.fileoutputcommitter.algorithm.version": "2",
+    "mapreduce.fileoutputcommitter.marksuccessfuljobs": "false",
+    "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
+    "fs.file.impl.disable.cache": "true",
+}
+#: Session settings of the stream's own session (Spark clones the session per query, so the
+#: user's session is untouched): Delta readers expect INT64 microsecond timestamps, not INT96.
+SESSION_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
+
+
+class JvmBatchWriter:
+    """The ``foreachBatch`` function of the JVM path (see the module doc for the guarantee)."""
+
+    def __init__(self, source: DeltaDataSource, schema: StructType, overwrite: bool):
+        self.source, self.overwrite = source, overwrite
+        self.writer = TwoPhaseCommitWriter(source, schema, overwrite)
+        self._lineage: str | None = None
+        #: seconds of the last batch's steps (write, list, commit), for profiles
+        self.last_profile: dict[str, float] = {}
+
+    def __call__(self, df: DataFrame, batch_id: int) -> None:
+        src, writer = self.source, self.writer
+        if self._lineage is None:
+            self._lineage = writer._lineage(writer._checkpoint(), [])
+        lineage = self._lineage
+        epoch = writer._open_once(lineage, [])  # the runner's epoch (opened before the query)
+        t0 = time.perf_counter()
+        if src.is_decided(lineage, batch_id):
+            df.write.format("noop").mode("overwrite").save()  # drain: upstream state commits
+            writer.commit([], batch_id)  # finds the decision: fingerprint check, clean-up
+            return
+        maybe_crash("before_precommit", batch_id, None, src.opts)
+        name = dir_name(lineage, epoch, batch_id)
+        session = df.sparkSession
+        for key, value in SESSION_CONF.items():
+            session.conf.set(key, value)
+        df.write.options(**WRITE_OPTIONS).parquet(f"{src.table_url}/{name}")
+        t1 = time.perf_counter()
+        handles = self._handles(name)
+        t2 = time.perf_counter()
+        maybe_crash("after_precommit", batch_id, None, src.opts)
+        messages = [PreCommitted(lineage, batch_id, i, 0, h["rows"], h) for i, h in enumerate(handles)]
+        writer.commit(messages, batch_id)
+        self.last_profile = {"write_s": t1 - t0, "list_s": t2 - t1, "commit_s": time.perf_counter() - t2}
+        log.debug("onceflow-delta jvm batch %d: %s", batch_id, self.last_profile)
+
+    def _handles(self, name: str) -> list[dict[str, Any]]:
+        """The attempt directory's data files as handles (path relative to the table, size,
+        rows, mtime). Empty files are left out in append mode (nothing to add)."""
+        fs, root = self.source._fs()
+        now = int(time.time() * 1000)
+        handles = []
+        for entry in fs.ls(f"{root}/{name}", detail=True):
+            base = entry["name"].rstrip("/").rsplit("/", 1)[-1]
+            if entry.get("type") != "file" or base.startswith(("_", ".")) or not base.endswith(".parquet"):
+                continue
+            with fs.open(entry["name"], "rb") as f:
+                rows = pq.read_metadata(f).num_rows
+            if rows or self.overwrite:
+                handles.append({"path": f"{name}/{base}", "size": int(entry["size"]), "rows": rows, "mtime": now})
+        return sorted(handles, key=lambda h: h["path"])
