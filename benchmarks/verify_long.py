@@ -1,14 +1,16 @@
 """The long ``onceflow verify`` campaign: every sink, every fault kind, many faults.
 
 One command: ``python benchmarks/verify_long.py [--faults-per-run N] [--runs delta,pg2pc:30,...]
-[--seed S] [--out DIR]`` (``name:N`` gives one run its own fault count). Two lanes can run side by
+[--seed S] [--out DIR]`` (``name:N`` gives one run its own fault count, ``name:N:kind+kind`` its
+own fault kinds instead of every kind the pipeline can take). Two lanes can run side by
 side into one ``--out`` (each starts its own PostgreSQL and broker); ``--summary DIR`` prints the
 table over every report in DIR.
 
 It starts a throwaway PostgreSQL 15 (so ``pg_restart``/``pg_down`` can stop and start it) and a
-tansu broker, then runs ``onceflow verify`` once per pipeline below with every fault that
-pipeline can take, and prints one table: faults injected per kind, events, duplicates,
-missing, corrupted, dangling, recovery (median/max) and the verdict of each run, plus totals.
+tansu broker on S3 storage (a moto server: its log survives ``broker_restart``), then runs
+``onceflow verify`` once per pipeline below with every fault that pipeline can take, and prints
+one table: faults injected per kind, events, duplicates, missing, corrupted, dangling, recovery
+(median/max) and the verdict of each run, plus totals.
 Each run's JSON report and chart are kept in ``--out``.
 """
 
@@ -36,7 +38,7 @@ RUNS = {  # name: (source, sink, extra faults, master)
     "delta-cluster": ("sequence", "delta", ["executor_kill"], "local-cluster[2,1,1024]"),
     "pg2pc": ("sequence", "postgres-two_phase", ["pg_restart", "pg_down"], "local[2]"),
     "pgidem": ("sequence", "postgres-idempotent", ["pg_restart", "pg_down"], "local[2]"),
-    "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart"], "local[2]"),
+    "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart", "broker_restart"], "local[2]"),
 }
 
 
@@ -61,32 +63,35 @@ def main() -> None:
     out = args.out or tempfile.mkdtemp(prefix="onceflow-verify-long-")
     os.makedirs(out, exist_ok=True)
     pg = PgCluster(max_prepared_transactions=40, fsync=True, name="verify-long")
-    broker = KafkaBroker().start()
+    broker = KafkaBroker(storage="s3").start()
+    broker_stop, broker_start = broker.restart_commands
     ctl = f"runuser -u {OS_USER} -- {PG_BIN}/pg_ctl -D {pg.data}"
     rows = []
     try:
-        for name, _, count in (r.partition(":") for r in args.runs.split(",")):
+        for name, count, kinds in ((r.split(":") + ["", ""])[:3] for r in args.runs.split(",")):
             i = list(RUNS).index(name)
             source, sink, extra, master = RUNS[name]
-            faults = PROCESS + extra
+            faults = kinds.split("+") if kinds else PROCESS + extra
             n = int(count or args.faults_per_run)
             # The sequence clock only runs while a driver runs; a Kafka topic is read at --rate per
             # batch whatever happens, so it keeps verify's default (15 s of --rate per fault).
             events = [] if source == "kafka" else ["--events", str(20 * args.rate + n * args.events_per_fault)]
-            report = os.path.join(out, f"{name}.json")
+            tag = name + (f"-{kinds.replace('+', '-')}" if kinds else "")
+            report = os.path.join(out, f"{tag}.json")
             cmd = [sys.executable, "-m", "onceflow", "verify", "--source", source, "--sink", sink,
                    "--faults", ",".join(faults), "--count", str(n), *events, "--gap", "1-3", "--recovery-timeout", args.recovery_timeout, "--seed", str(args.seed + i),
-                   "--rate", str(args.rate), "--master", master, "--dir", os.path.join(out, name),
-                   "--json", report, "--chart", os.path.join(out, f"{name}.png"), "--outage-s", str(OUTAGE_S),
+                   "--rate", str(args.rate), "--master", master, "--dir", os.path.join(out, tag),
+                   "--json", report, "--chart", os.path.join(out, f"{tag}.png"), "--outage-s", str(OUTAGE_S),
                    "--postgres", pg.dsn, "--kafka", broker.bootstrap, "--any-time",
                    "--pg-stop", f"{ctl} -m {{mode}} -w -t 60 stop",
-                   "--pg-start", f"{ctl} -l {pg.logfile} -w -t 60 start"]
+                   "--pg-start", f"{ctl} -l {pg.logfile} -w -t 60 start",
+                   "--broker-stop", broker_stop, "--broker-start", broker_start]
             if "disk_full" in faults:
                 cmd += ["--checkpoint-fs", "96m"]
             print(f"== {name}: {source} -> {sink} on {master}; faults {', '.join(faults)}", flush=True)
             rc = subprocess.run(cmd).returncode
             r = json.load(open(report)) if os.path.exists(report) else {"verdict": f"no report (exit {rc})"}
-            rows.append((name, rc, r))
+            rows.append((tag, rc, r))
             print(f"== {name}: exit {rc}, verdict {r.get('verdict')}", flush=True)
     finally:
         broker.stop()

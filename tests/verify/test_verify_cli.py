@@ -1,7 +1,7 @@
 """``onceflow verify`` end to end: real drivers, JVMs, executors and PostgreSQL, really killed.
 
 The CI-sized runs cover driver kill, JVM-only kill, zombie (a paused host whose successor on
-another host name takes over), executor kill and PostgreSQL restarts on two sinks, and must
+another host name takes over), executor kill, PostgreSQL and broker restarts on two sinks, and must
 give a clean verdict. The control run uses the Kafka sink's at-least-once mode with a crash in
 the window where it duplicates, and the harness must fail it: the checker can fail.
 """
@@ -93,6 +93,24 @@ def test_kafka_to_postgres_survives_driver_and_executor_kills_and_restarts(tmp_p
     assert report["verdict"] == "exactly-once" and not report["dangling"]
     kinds = sorted(f["kind"] for f in report["fault_log"])
     assert kinds == ["driver_kill", "executor_kill", "pg_restart"], out[-3000:]
+
+
+def test_kafka_to_postgres_survives_broker_restarts(tmp_path, pg_verify):
+    """Kafka source -> PostgreSQL two_phase while the broker (tansu on S3 storage, so its log
+    survives) is stopped, once with SIGTERM and once with SIGKILL, and started again."""
+    with KafkaBroker(storage="s3") as broker:
+        stop, start = broker.restart_commands
+        rc, report, out = _verify(
+            tmp_path, "--source", "kafka", "--kafka", broker.bootstrap, "--no-standby",
+            "--sink", "postgres-two_phase", "--postgres", pg_verify.dsn, "--seed", "1",
+            "--faults", "broker_restart", "--count", "2", "--rate", "3000", "--events", "45000",
+            "--broker-stop", stop, "--broker-start", start,
+        )
+    assert rc == 0, out[-3000:]
+    assert report["verdict"] == "exactly-once" and not report["dangling"]
+    # seed 1: a graceful stop, then a SIGKILL
+    details = [f"{f['kind']}: {f['detail']}" for f in report["fault_log"]]
+    assert len(details) == 2 and "fast stop" in details[0] and "immediate stop" in details[1], details
 
 
 def test_an_at_least_once_sink_is_caught(tmp_path):

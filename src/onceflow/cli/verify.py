@@ -54,7 +54,8 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
 @click.option("--pg-stop", metavar="CMD", help="Stops your PostgreSQL; '{mode}' becomes fast or immediate, "
               "e.g. 'pg_ctl -D /data -m {mode} -w stop'.")
 @click.option("--pg-start", metavar="CMD", help="Starts it again, e.g. 'pg_ctl -D /data -l log -w start'.")
-@click.option("--broker-stop", metavar="CMD", help="Stops your Kafka broker (its log must survive).")
+@click.option("--broker-stop", metavar="CMD", help="Stops your Kafka broker (its log must survive); '{mode}' "
+              "becomes fast (graceful) or immediate (killed).")
 @click.option("--broker-start", metavar="CMD", help="Starts it again.")
 @click.option("--checkpoint-fs", metavar="SIZE", help="Put the checkpoint on a tmpfs of SIZE (e.g. 64m; root "
               "only); needed by disk_full.")

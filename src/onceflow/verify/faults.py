@@ -183,12 +183,13 @@ class PgDown(_Command):
 
 
 class BrokerRestart(_Command):
-    name, help = "broker_restart", "restart the Kafka broker (its storage must survive a restart)"
+    name, help = "broker_restart", "restart the Kafka broker, graceful or killed (its log must survive)"
     stop_opt, start_opt = "broker_stop", "broker_start"
 
     def inject(self, h: Harness) -> str:
-        self._bounce(h)
-        return "broker restarted"
+        mode = h.rng.choice(["fast", "immediate"])
+        self._bounce(h, mode)
+        return f"broker {mode} stop and restart"
 
 
 class DiskFull(Fault):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -91,6 +92,10 @@ def _produce(spec: VerifySpec, console: Console) -> None:
         # One sentinel (id -1, dropped by the job) per partition, in a batch of its own: some
         # brokers (tansu) report the log end as the last *batch's* first offset + 1, which would
         # hide the tail of the last batch of events from every consumer that asks for the end.
+        # tansu on object storage takes the batch with the newest last-modified time, of
+        # one-second resolution: the first batch written in the last second. The pause makes
+        # the sentinel the only batch of its second, so the end it reports is exact.
+        time.sleep(1.1)
         for p in range(spec.partitions):
             producer.produce(spec.input_topic, b"-1,,", partition=p, on_delivery=on_delivery)
             producer.flush(30)
