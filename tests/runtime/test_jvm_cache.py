@@ -67,3 +67,21 @@ def test_without_an_archive_one_build_starts_and_the_driver_starts_without_it(tm
     open(path, "wb").close()
     monkeypatch.setenv("ONCEFLOW_JVM_CACHE", "1")
     assert jvm_cache.java_options().startswith(f"-XX:SharedArchiveFile={path} ")
+
+
+def test_a_reinstalled_jar_gets_a_new_archive():
+    """The JVM rejects an archive whose jars changed size or mtime; a reinstall of PySpark at
+    the same path (same jar names) must not keep pointing at the stale archive (every driver
+    would start without one, silently). Old code: the key held the jar names only."""
+    import pyspark
+
+    jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
+    jar = os.path.join(jars, sorted(os.listdir(jars))[0])
+    st = os.stat(jar)
+    before = jvm_cache.archive_path()
+    try:
+        os.utime(jar, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        assert jvm_cache.archive_path() != before
+    finally:
+        os.utime(jar, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert jvm_cache.archive_path() == before

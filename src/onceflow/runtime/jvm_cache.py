@@ -10,7 +10,8 @@ How the archive comes to be: the first driver that finds none starts a backgroun
 SparkSession with ``-XX:ArchiveClassesAtExit``, runs the standby's tiny warm-up query, exits
 (its JVM writes the archive) and renames the archive into place. Drivers started after that
 use it. The archive lives in ``$ONCEFLOW_JVM_CACHE_DIR`` (default ``~/.cache/onceflow/jvm``),
-keyed by the Java binary, PySpark's version and its jars. A JVM that finds an archive made by
+keyed by the Java binary, PySpark's version and its jars (names, sizes, mtimes: a reinstall
+gets a new archive). A JVM that finds an archive made by
 another JDK or for other jars ignores it and starts normally. ``ONCEFLOW_JVM_CACHE=0`` turns
 all of this off. Only the driver's JVM uses it, and only when onceflow starts that JVM.
 """
@@ -44,7 +45,10 @@ def archive_path() -> str:
     java = os.path.join(java_home, "bin", "java") if java_home else (shutil.which("java") or "java")
     jars = os.path.join(os.path.dirname(pyspark.__file__), "jars")
     names = sorted(os.listdir(jars)) if os.path.isdir(jars) else []
-    key = "\n".join([os.path.realpath(java), pyspark.__version__, jars, *names])
+    # The JVM checks each jar's size and mtime against the archive: a reinstall at the same
+    # path (same names) must get a new archive, or every driver silently starts without one.
+    stamps = [f"{n}:{st.st_size}:{st.st_mtime_ns}" for n in names for st in [os.stat(os.path.join(jars, n))]]
+    key = "\n".join([os.path.realpath(java), pyspark.__version__, jars, *stamps])
     base = os.environ.get("ONCEFLOW_JVM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "onceflow", "jvm")
     return os.path.join(base, f"spark-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa")
 
