@@ -85,8 +85,13 @@ def maybe_crash(
             os.write(fd, f"batch={batch_id} partition={partition} pgid={pgid} pid={os.getpid()}\n".encode())
             os.close(fd)
         if mode == "pause":
+            # One stop signal per process: a second SIGSTOP to this process, sent after the
+            # group's, would only act after the first SIGCONT and could outlast a resumer
+            # that signals the group and then the pid (a zombie left stopped forever).
             os.killpg(pgid, signal.SIGSTOP)
-            os.kill(os.getpid(), signal.SIGSTOP)
+            if os.getpgid(0) != pgid:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(0.001)  # enter the kernel: this thread stops here, not a few steps on
             return  # resumed by SIGCONT: carry on as a zombie would
         if mode == "raise":
             raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")

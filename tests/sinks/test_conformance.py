@@ -14,8 +14,8 @@ Every transactional sink must keep each record's effect exactly once through:
 
 After each run an independent reader (not the sink's code) checks the output: every id
 exactly once, nothing dangling (orphan Parquet files or attempt directories, prepared
-transactions). Delta's JVM write path (``delta-jvm``) runs the crash windows only; its fencing
-is the Arrow path's code (and tests/sinks/test_delta.py fences a zombie's ``foreachBatch``).
+transactions). Delta runs with both write paths: ``delta`` (Arrow, Spark's Python data source)
+and ``delta-jvm`` (Spark's Parquet writer under ``foreachBatch``, committed by the same code).
 
 Kafka runs on tansu, which does not hide aborted transactions from read_committed readers
 (the sink's probe refuses exactly_once there; here it is bypassed). In these windows no
@@ -42,9 +42,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
-SINKS = ["delta", "postgres-two_phase", "postgres-idempotent", "kafka"]
-#: write paths only the crash windows run for (the zombie chain costs a minute per mode)
-CRASH_ONLY = ["delta-jvm"]
+SINKS = ["delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka"]
 
 
 # ---- the sinks under test ----------------------------------------------------------------------
@@ -294,7 +292,7 @@ def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, 
 # ---- crash windows -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", SINKS + CRASH_ONLY, indirect=True)
+@pytest.mark.parametrize("case", SINKS, indirect=True)
 def test_crash_windows(spark, case: Case, tmp_path):
     """One fault per batch, each window once; the query restarts in-process after each."""
     total, per_batch = 9000, 1000
