@@ -36,6 +36,8 @@ PROCESS = ["driver_kill", "jvm_kill", "worker_kill", "zombie", "slow_sink"]
 RUNS = {  # name: (source, sink, extra faults, master)
     "delta": ("sequence", "delta", ["disk_full"], "local[2]"),
     "delta-cluster": ("sequence", "delta", ["executor_kill"], "local-cluster[2,1,1024]"),
+    "delta-jvm": ("sequence", "delta-jvm", ["disk_full"], "local[2]"),
+    "delta-jvm-cluster": ("sequence", "delta-jvm", ["executor_kill"], "local-cluster[2,1,1024]"),
     "pg2pc": ("sequence", "postgres-two_phase", ["pg_restart", "pg_down"], "local[2]"),
     "pgidem": ("sequence", "postgres-idempotent", ["pg_restart", "pg_down"], "local[2]"),
     "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart", "broker_restart"], "local[2]"),

@@ -47,11 +47,12 @@ def test_checker_counts_corrupted_payloads():
     assert r.corrupted == 2 and r.sample_corrupted == [3, 5] and not r.ok
 
 
-def test_delta_survives_driver_kill_jvm_kill_and_a_zombie(tmp_path):
+@pytest.mark.parametrize("sink", ["delta", "delta-jvm"])
+def test_delta_survives_driver_kill_jvm_kill_and_a_zombie(tmp_path, sink):
     # --any-time: each fault as soon as the job commits again (no wait for a warm standby);
     # downtime does not use up the stream (ids arrive at --rate while a driver runs), but a
     # zombie's successor runs while the old host is frozen: 40,000 ids once ran out after 2 faults
-    rc, report, out = _verify(tmp_path, "--sink", "delta", "--faults", "driver_kill,jvm_kill,zombie",
+    rc, report, out = _verify(tmp_path, "--sink", sink, "--faults", "driver_kill,jvm_kill,zombie",
                               "--count", "3", "--rate", "2000", "--events", "60000", "--any-time")
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once" and report["duplicates"] == report["missing"] == 0

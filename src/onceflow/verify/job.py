@@ -50,8 +50,8 @@ def transform(df):
 
 
 def sink(spec: VerifySpec) -> Sink:
-    if spec.sink == "delta":
-        return DeltaSink(spec.table, sink_id=spec.sink_id)
+    if spec.sink.startswith("delta"):
+        return DeltaSink(spec.table, sink_id=spec.sink_id, writer="jvm" if spec.sink == "delta-jvm" else "arrow")
     if spec.sink.startswith("postgres"):
         mode = spec.sink.split("-", 1)[1]
         return PostgresSink(spec.postgres, spec.table, mode=mode, create_table=True, sink_id=spec.sink_id,

@@ -27,7 +27,7 @@ SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.string()), ("checksum", p
 
 
 def read_output(spec: VerifySpec) -> pa.Table:
-    if spec.sink == "delta":
+    if spec.sink.startswith("delta"):
         return _read_delta(spec)
     if spec.sink.startswith("postgres"):
         return _read_postgres(spec)
@@ -36,7 +36,7 @@ def read_output(spec: VerifySpec) -> pa.Table:
 
 def dangling(spec: VerifySpec) -> list[str]:
     """Transactions or files a sink prepared and never resolved."""
-    if spec.sink == "delta":
+    if spec.sink.startswith("delta"):
         return _delta_orphans(spec)
     if spec.sink.startswith("postgres"):
         rows = _pg_query(spec, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s",

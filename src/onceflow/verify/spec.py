@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 from onceflow.errors import ConfigError
 
 SOURCES = ("sequence", "kafka")
-#: sink kinds; ``kafka-at_least_once`` is the deliberately non-exactly-once control
-SINKS = ("delta", "postgres-two_phase", "postgres-idempotent", "kafka", "kafka-at_least_once")
+#: sink kinds; ``delta-jvm`` is the Delta sink's JVM write path; ``kafka-at_least_once`` is the
+#: deliberately non-exactly-once control
+SINKS = ("delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka", "kafka-at_least_once")
 SALT = "onceflow-verify-"
 
 
@@ -72,7 +73,7 @@ class VerifySpec:
     @property
     def table(self) -> str:
         """Delta path, PostgreSQL table or Kafka topic the sink writes."""
-        if self.sink == "delta":
+        if self.sink.startswith("delta"):
             return os.path.join(self.workdir, "table")
         if self.sink.startswith("postgres"):
             return f"onceflow_verify_{self.name}"
