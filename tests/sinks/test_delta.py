@@ -505,3 +505,39 @@ def test_jvm_writer_of_an_older_epoch_commits_nothing_and_its_directory_goes(spa
     ids = DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()
     assert sorted(ids) == list(range(1000))
     assert delta_dangling(str(path)) == []
+
+
+def test_jvm_writer_writes_plain_the_columns_whose_dictionary_did_not_pay(spark, tmp_path):
+    """Parquet's writer tries a dictionary per column and drops it for unique values; the JVM
+    path learns from the footers of one batch which columns those are and writes them plain
+    (no wasted attempt) from the next batch on, keeping the dictionary where it pays."""
+    import uuid
+
+    import pyarrow.parquet as pq
+
+    from onceflow.sinks.delta import DeltaDataSource
+    from onceflow.sinks.delta.jvm import REPROBE_BATCHES, JvmBatchWriter
+
+    path = tmp_path / "table"
+    lineage = str(uuid.uuid4())
+
+    def batch(n: int):
+        return spark.range(n * 100_000, (n + 1) * 100_000, numPartitions=1).selectExpr("id", "id % 7 AS k")
+
+    ds = DeltaDataSource({"path": str(path), "writer": "jvm", "lineage": lineage, "allow_unknown_fingerprint": "true"})
+    ds.write_schema = batch(0).schema
+    ds.validate(ds.write_schema, False)
+    ds.open(lineage)
+    writer = JvmBatchWriter(ds, ds.write_schema, False)
+    writer(batch(0), 0)
+    assert writer._plain == {"id"}
+    writer(batch(1), 1)
+    assert writer._plain == {"id"}
+    files = DeltaTable(str(path)).file_uris()
+    newest = [pq.read_metadata(f).row_group(0) for f in files if "-b0000000001-" in f]
+    assert newest, files
+    assert all(not g.column(0).has_dictionary_page and g.column(1).has_dictionary_page for g in newest)
+    assert sorted(DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == list(range(200_000))
+    writer._batches = REPROBE_BATCHES - 1
+    writer(batch(2), 2)
+    assert writer._plain == frozenset(), "every REPROBE_BATCHES batches, dictionaries are tried again"
