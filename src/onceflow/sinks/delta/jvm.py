@@ -9,10 +9,13 @@ on top of a snapshot whose epoch is this driver's). No row crosses into Python.
 
 Guarantee (exactly-once), step by step, and what a crash leaves:
 
-1. the batch is already decided (the table's app transaction is at N or later): a replay.
-   The batch's rows are consumed by Spark's ``noop`` writer (upstream state commits) and
-   nothing is written; the commit step finds the decision, checks the fingerprint and removes
-   attempt directories of N that the decision does not list.
+1. the first batch after the query (re)started is already decided (the table's app
+   transaction is at N or later): a replay. The batch's rows are consumed by Spark's ``noop``
+   writer (upstream state commits) and nothing is written; the commit step finds the
+   decision, checks the fingerprint and removes attempt directories of N that the decision
+   does not list. (Only that batch can be a replay; a later one decided by another driver
+   reaches only a zombie, whose commit finds that decision or is fenced, and deletes its
+   directory.)
 2. ``before_precommit``; Spark writes the attempt directory (FileOutputCommitter algorithm 2
    into the fresh directory, no ``_SUCCESS``); ``after_precommit``. A crash here leaves an
    undecided directory: invisible (no log entry adds it), deleted by the next driver's
@@ -132,8 +135,8 @@ class JvmBatchWriter:
         return sorted(handles, key=lambda h: h["path"])
 
     def _learn_encodings(self, footers: list[pq.FileMetaData]) -> None:
-        """Columns with too many distinct values for a dictionary (Parquet's writer tried one,
-        filled it and fell back to plain encoding in every column chunk of this batch) are
+        """Columns with too many distinct values for a dictionary (Parquet's writer tried one
+        and dropped it for plain encoding in every column chunk of this batch) are
         written plain from the next batch on, without the wasted attempt: the Arrow path's
         choice, learned here from the footers instead of the rows. Every
         :data:`REPROBE_BATCHES` batches the writer tries dictionaries again (data changes)."""
