@@ -25,6 +25,8 @@ batch's result in the same single commit. Guarantee for both: exactly-once.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +43,7 @@ from pyspark.sql.types import StructType
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
 from onceflow.sinks.delta.files import (
     commit_meta,
     compatible,
@@ -54,8 +57,10 @@ from onceflow.sinks.delta.files import (
 )
 from onceflow.storage import as_options, delta_target, normalize_url, scheme_of, url_to_fs
 
+log = logging.getLogger(__name__)
+
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
-_TABLES: dict[tuple[str, str], DeltaTable] = {}  # per process: see DeltaDataSource._table
+_TABLES: dict[tuple[str, str], tuple[DeltaTable, Any]] = {}  # per process: see DeltaDataSource._table
 _TABLES_LOCK = threading.Lock()
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
 #: Conditional commits lost to other writers of the table before giving up (SinkError).
@@ -107,16 +112,20 @@ class DeltaDataSource(TwoPhaseCommitSink):
         """The table at its latest version, or None when it does not exist yet.
 
         Loaded once per process and then brought up to date incrementally (only the log
-        entries since the last look are read), as long as the version it holds is still in
-        the log; otherwise loaded afresh. Every decision is still checked against, and
-        committed on top of, the snapshot this returns (see :meth:`decide`)."""
+        entries since the last look are read), as long as the log entry of the version it
+        holds is still the one it read (same file for local tables: a table deleted and
+        created again is noticed even when its log is as long); otherwise loaded afresh.
+        Every decision is still checked against, and committed on top of, the snapshot this
+        returns (see :meth:`decide`)."""
         key = (self._delta_url, json.dumps(self._delta_opts, sort_keys=True, default=str))
         with _TABLES_LOCK:
-            table = _TABLES.get(key)
-            if table is not None:
+            held = _TABLES.get(key)
+            if held is not None:
+                table, mark = held
                 try:
-                    if self._log_has(table.version()):
+                    if self._log_mark(table.version()) == mark:
                         table.update_incremental()
+                        _TABLES[key] = (table, self._log_mark(table.version()))
                         return table
                 except Exception:  # noqa: BLE001 - any doubt: load it afresh
                     pass
@@ -125,16 +134,65 @@ class DeltaDataSource(TwoPhaseCommitSink):
                 table = DeltaTable(self._delta_url, storage_options=self._delta_opts)
             except TableNotFoundError:
                 return None
-            _TABLES[key] = table
+            _TABLES[key] = (table, self._log_mark(table.version()))
             return table
 
-    def _log_has(self, version: int) -> bool:
-        """The log entry of ``version`` still exists (the table was not replaced under us)."""
+    def _log_mark(self, version: int) -> Any:
+        """What identifies the log entry of ``version``: (inode, mtime) of a local file,
+        else whether it exists (None: it does not)."""
         fs, path = self._fs()
-        return fs.exists(f"{path}/_delta_log/{version:020d}.json")
+        entry = f"{path}/_delta_log/{version:020d}.json"
+        if scheme_of(self.table_url) in ("", "file"):
+            try:
+                st = os.stat(entry)
+            except FileNotFoundError:
+                return None
+            return st.st_ino, st.st_mtime_ns
+        return fs.exists(entry) or None
 
     def _fs(self):
         return url_to_fs(self.table_url, self.storage_options)
+
+    def _local_log(self) -> LocalLog | None:
+        """The constant-cost log of a local table (:mod:`onceflow.sinks.delta.log`), else None."""
+        if scheme_of(self.table_url) not in ("", "file"):
+            return None
+        root = self.__dict__.get("_local_root")
+        if root is None:
+            root = self.__dict__["_local_root"] = self._fs()[1]
+        return local_log(root)
+
+    def _view(self, lineage: str, fast: bool = True) -> LogSnapshot | DeltaTable | None:
+        """The latest state for the decision checks of ``lineage`` (None: no table yet).
+
+        ``fast``: a :class:`LogSnapshot` when the table is local and onceflow can append to its
+        log, at the cost of two ``stat`` calls while no one else commits; otherwise (and for
+        commits that delta-rs must make) the delta-rs table, brought up to date."""
+        apps = (self.app_id(lineage), self.epoch_app_id(lineage))
+        local = self._local_log() if fast else None
+        if local is not None:
+            snap = local.snapshot(apps)
+            if snap is not None:
+                return snap
+        table = self._table()
+        if table is not None and local is not None:
+            return local.sync(table, apps) or table
+        return table
+
+    def _checkpoint_log(self, local: LocalLog, version: int) -> None:
+        """Every ``delta.checkpointInterval`` versions appended by :class:`LocalLog`: a
+        checkpoint and expired-entry clean-up by delta-rs (its post-commit hook's work)."""
+        if version % local.interval:
+            return
+        try:
+            table = self._table()
+            if table is not None:
+                table.create_checkpoint()
+                if local.cleanup:
+                    table.cleanup_metadata()
+        except Exception as e:  # noqa: BLE001 - an optimisation for readers; the commit stands
+            log.warning("onceflow-delta: checkpoint of %s at version %d failed (retried in %d "
+                        "versions): %s", self.table_url, version, local.interval, e)
 
     # ---- validation -----------------------------------------------------------------
 
@@ -202,10 +260,10 @@ class DeltaDataSource(TwoPhaseCommitSink):
     # ---- tasks ----------------------------------------------------------------------
 
     def is_decided(self, lineage: str, batch_id: int) -> bool:
-        table = self._table()
-        if table is None:
+        view = self._view(lineage)
+        if view is None:
             return False
-        version = table.transaction_version(self.app_id(lineage))
+        version = view.transaction_version(self.app_id(lineage))
         return version is not None and version >= batch_id
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
@@ -240,11 +298,14 @@ class DeltaDataSource(TwoPhaseCommitSink):
     # ---- driver ---------------------------------------------------------------------
 
     def decision(self, lineage: str, batch_id: int) -> Decision | None:
-        table = self._table()
-        if table is None:
+        view = self._view(lineage)
+        if view is None:
             return None
-        version = table.transaction_version(self.app_id(lineage))
+        version = view.transaction_version(self.app_id(lineage))
         if version is None or version < batch_id:
+            return None
+        table = self._table()  # decided: its commit info is in the history
+        if table is None:
             return None
         meta = commit_meta(table, lineage, batch_id)
         if meta is None:  # decided, but its commit entry is gone (log cleanup): files unknown
@@ -293,36 +354,24 @@ class DeltaDataSource(TwoPhaseCommitSink):
         1. read the latest snapshot;
         2. its epoch must be the caller's (a successor opened the sink: FencedError);
         3. batch N must be undecided there, or decided with this very decision (a retry);
-        4. commit exactly on top of that snapshot (``max_commit_retries=0``): if anything was
-           committed since step 1 (a successor's epoch, a rival decision, another writer),
-           the log write fails and we start again at step 1.
+        4. commit exactly on top of that snapshot (``max_commit_retries=0``; for appends to a
+           local table, :class:`~onceflow.sinks.delta.log.LocalLog`'s hard link of the next
+           log entry): if anything was committed since step 1 (a successor's epoch, a rival
+           decision, another writer), the log write fails and we start again at step 1.
         """
-        adds = [
-            AddAction(
-                path=h["path"], size=h["size"], partition_values={}, modification_time=h["mtime"],
-                data_change=True, stats=json.dumps({"numRecords": h["rows"]}),
-            )
-            for h in decision.handles
-        ]
-        props = CommitProperties(
-            custom_metadata={
-                "onceflow": json.dumps({
-                    "lineage": decision.lineage, "batch": decision.batch_id, "epoch": decision.epoch,
-                    "fingerprint": decision.fingerprint, "files": [h["path"] for h in decision.handles],
-                })
-            },
-            app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],
-            max_commit_retries=0,
-        )
-        mode = "overwrite" if overwrite else "append"
-        arrow_schema = to_arrow_schema(schema)
+        meta = {
+            "lineage": decision.lineage, "batch": decision.batch_id, "epoch": decision.epoch,
+            "fingerprint": decision.fingerprint, "files": [h["path"] for h in decision.handles],
+        }
+        app, epoch_app = self.app_id(decision.lineage), self.epoch_app_id(decision.lineage)
+        local = None if overwrite else self._local_log()
         what = f"decide batch {decision.batch_id}"
         for _ in range(_MAX_CONFLICTS):
-            table = self._table()
-            current = None if table is None else table.transaction_version(self.epoch_app_id(decision.lineage))
+            view = self._view(decision.lineage, fast=local is not None)
+            current = None if view is None else view.transaction_version(epoch_app)
             if current != decision.epoch:
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current, what)
-            decided = table.transaction_version(self.app_id(decision.lineage))
+            decided = view.transaction_version(app)
             if decided is not None and decided >= decision.batch_id:
                 stored = self.decision(decision.lineage, decision.batch_id)
                 if (stored is not None and stored.handles is not None and stored.epoch == decision.epoch
@@ -334,7 +383,15 @@ class DeltaDataSource(TwoPhaseCommitSink):
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current,
                              f"{what} (already decided by another commit)")
             try:
-                table.create_write_transaction(adds, mode, arrow_schema, commit_properties=props)
+                if isinstance(view, LogSnapshot):
+                    assert local is not None
+                    landed = local.append(view, decision.handles, app, decision.batch_id, meta)
+                    if landed is None:
+                        continue  # the log moved (or cannot take links): read it again
+                    self._remember(decision)
+                    self._checkpoint_log(local, landed.version)
+                    return
+                self._commit_with_delta_rs(view, decision, meta, overwrite, schema)
                 self._remember(decision)
                 return
             except CommitFailedError:
@@ -344,6 +401,25 @@ class DeltaDataSource(TwoPhaseCommitSink):
                                 f"{self.table_url} failed: {e}") from e
         raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
                         f"attempts to commit batch {decision.batch_id}; retried by the restart strategy")
+
+    def _commit_with_delta_rs(self, table: DeltaTable, decision: Decision, meta: dict[str, Any],
+                              overwrite: bool, schema: StructType) -> None:
+        """One delta-rs commit on top of exactly ``table``'s version (CommitFailedError when
+        anything landed since)."""
+        adds = [
+            AddAction(
+                path=h["path"], size=h["size"], partition_values={}, modification_time=h["mtime"],
+                data_change=True, stats=json.dumps({"numRecords": h["rows"]}),
+            )
+            for h in decision.handles
+        ]
+        props = CommitProperties(
+            custom_metadata={"onceflow": json.dumps(meta)},
+            app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],
+            max_commit_retries=0,
+        )
+        table.create_write_transaction(adds, "overwrite" if overwrite else "append",
+                                       to_arrow_schema(schema), commit_properties=props)
 
     def _decided_here(self, lineage: str) -> OrderedDict[int, frozenset[str]]:
         """The files of the last :data:`_DECIDED_KEPT` batches decided under this driver's
