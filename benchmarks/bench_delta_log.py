@@ -1,17 +1,22 @@
-"""Cost of one Delta sink decision as the table's log grows: onceflow's local log vs delta-rs.
+"""Cost of the Delta sink's per-batch commit step as a stream ages: local log vs delta-rs.
 
 One command: ``python benchmarks/bench_delta_log.py [--sizes 100,1000,3000] [--commits 50]``.
-For each log length the same table takes ``--commits`` decisions (two add actions and the
-app transaction each, as a stream batch commits) twice: through delta-rs (refresh the
-snapshot, then a conditional commit, as onceflow did before and still does for object
-stores) and through :class:`onceflow.sinks.delta.log.LocalLog` (two ``stat`` calls and a hard
-link). No Spark: this is the driver's per-batch commit step alone. Prints milliseconds per
-decision and the ratio; the table grows between sizes through the local log itself.
+At each table age (log versions; the table directory holds one attempt directory per batch,
+as the JVM path leaves it) the same table takes ``--commits`` batches twice, each a decision
+(two add actions and the app transaction) and the clean-up that follows it:
+
+- through delta-rs: refresh the snapshot, then a conditional commit (what onceflow did before
+  for every table and still does for object stores);
+- through :class:`onceflow.sinks.delta.log.LocalLog`: two ``stat`` calls and a hard link.
+
+No Spark: this is the driver's commit step alone. Prints milliseconds per batch and the ratio;
+the table ages between sizes through the local log itself.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -26,6 +31,7 @@ from rich.progress import track
 from onceflow.sinks.base import Decision
 from onceflow.sinks.delta import DeltaDataSource
 from onceflow.sinks.delta import source as delta_source
+from onceflow.sinks.delta.files import dir_name
 
 SCHEMA = StructType([StructField("id", LongType())])
 
@@ -40,12 +46,15 @@ def handles(root: str, lineage: str, epoch: int, batch: int) -> list[dict]:
 
 
 def timed(ds: DeltaDataSource, root: str, lineage: str, epoch: int, first: int, count: int) -> float:
-    """Milliseconds per decision of batches first..first+count-1 (file writing not timed)."""
+    """Milliseconds per batch (decide + clean-up) of batches first..first+count-1 (writing the
+    files is not timed)."""
     total = 0.0
     for b in range(first, first + count):
         hs = handles(root, lineage, epoch, b)
+        decision = Decision(lineage, b, f"fp-{b}", hs, epoch)
         t = time.perf_counter()
-        ds.decide(Decision(lineage, b, f"fp-{b}", hs, epoch), SCHEMA, False)
+        ds.decide(decision, SCHEMA, False)
+        ds.commit(decision)
         total += time.perf_counter() - t
     return total / count * 1000
 
@@ -67,6 +76,7 @@ def main() -> None:
         grow = max(0, size - ds._table().version())
         for _ in track(range(grow), description=f"growing the log to {size}", transient=True,
                        console=Console(stderr=True)):
+            os.mkdir(f"{root}/{dir_name(lineage, epoch, batch)}")  # an attempt directory per batch
             ds.decide(Decision(lineage, batch, "fp", [], epoch), SCHEMA, False)
             batch += 1
         DeltaDataSource._local_log = lambda self: None  # type: ignore[method-assign,assignment]

@@ -12,13 +12,16 @@ table) starts with its unit.
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from collections.abc import Callable
+from functools import lru_cache
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable
+from fsspec.implementations.local import LocalFileSystem
 from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
 from pyspark.sql.types import StructType
 
@@ -54,8 +57,10 @@ def unit(path: str) -> str:
     return path.split("/", 1)[0]
 
 
+@lru_cache(maxsize=65536)
 def parse_unit(name: str) -> tuple[str, int, int] | None:
-    """(lineage, epoch, batch) of a unit name, None for anything else."""
+    """(lineage, epoch, batch) of a unit name, None for anything else (cached: clean-up
+    parses every unit of the table directory after each batch)."""
     m = _FILE.match(name) or _DIR.match(name)
     return None if m is None else (m["lineage"], int(m["epoch"] or 0), int(m["batch"]))
 
@@ -64,12 +69,16 @@ def remove_units(fs, path: str, lineage: str, predicate: Callable[[int, int, str
     """Delete this lineage's units for which ``predicate(batch, epoch, unit_name)`` holds
     (directories with everything in them); return how many."""
     removed = 0
-    for full in fs.ls(path, detail=False):
-        name = full.rstrip("/").rsplit("/", 1)[-1]
-        parsed = parse_unit(name)
+    if isinstance(fs, LocalFileSystem):  # names only: no stat per entry (the directory grows)
+        names = os.listdir(path)
+    else:
+        names = [full.rstrip("/").rsplit("/", 1)[-1] for full in fs.ls(path, detail=False)]
+    prefix = f"part-of-{lineage}-"
+    for name in names:
+        parsed = parse_unit(name) if name.startswith(prefix) else None
         if parsed and parsed[0] == lineage and predicate(parsed[2], parsed[1], name):
             try:
-                fs.rm(full, recursive=True)
+                fs.rm(f"{path}/{name}", recursive=True)
             except FileNotFoundError:  # removed meanwhile (another clean-up): same outcome
                 pass
             removed += 1
