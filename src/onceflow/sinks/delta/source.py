@@ -11,8 +11,9 @@ speculative attempts are deleted after the batch commits and on recovery.
 Fencing: the epoch of (sink, lineage) is a second app transaction
 ``onceflow-<sink>-<lineage>-epoch`` in the same Delta log. :meth:`DeltaDataSource.acquire_epoch`
 commits epoch+1 (creating the table if needed). :meth:`DeltaDataSource.decide` commits on top
-of exactly the snapshot it checked (``max_commit_retries=0``: Delta's put-if-absent of the next
-log version is the compare-and-swap), and that snapshot must show the caller's epoch as the
+of exactly the snapshot it checked (Delta's put-if-absent of the next log version is the
+compare-and-swap: :mod:`onceflow.sinks.delta.log` for appends to local tables, delta-rs with
+``max_commit_retries=0`` otherwise), and that snapshot must show the caller's epoch as the
 latest and batch N undecided. A driver paused anywhere and resumed after a successor opened the
 sink therefore commits nothing: its snapshot is stale (the commit fails) or shows the newer
 epoch (FencedError). Task files and attempt directories carry their writer's epoch in their
@@ -43,7 +44,6 @@ from pyspark.sql.types import StructType
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
-from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
 from onceflow.sinks.delta.files import (
     commit_meta,
     compatible,
@@ -55,6 +55,7 @@ from onceflow.sinks.delta.files import (
     to_arrow_schema,
     unit,
 )
+from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
 from onceflow.storage import as_options, delta_target, normalize_url, scheme_of, url_to_fs
 
 log = logging.getLogger(__name__)
