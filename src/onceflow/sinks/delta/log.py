@@ -21,6 +21,7 @@ version 2 or lower, no partition columns); every other commit goes through delta
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -34,6 +35,9 @@ from urllib.parse import quote
 from deltalake import DeltaTable
 
 from onceflow import __version__
+
+#: errors of ``os.link`` that mean the filesystem has no hard links
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class LocalLog:
                meta: dict[str, Any]) -> LogSnapshot | None:
         """Commit version ``snap.version + 1``: the adds (handles: path, size, rows, mtime),
         the app transaction and onceflow's commit info. None when that version exists (the
-        log moved since ``snap``: nothing was committed)."""
+        log moved since ``snap``, or the filesystem has no hard links: nothing was committed).
+        Any other failure to write (a full disk) raises OSError, with nothing committed."""
         now = int(time.time() * 1000)
         lines = [
             {"commitInfo": {"timestamp": now, "operation": "WRITE",
@@ -124,18 +129,24 @@ class LocalLog:
         ]
         version = snap.version + 1
         tmp = os.path.join(self.log_dir, f"_commit_{uuid.uuid4().hex}.json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
         try:
-            os.link(tmp, self.entry(version))  # put-if-absent: fails if the version exists
-        except OSError as e:
-            if not isinstance(e, FileExistsError):
-                self.links = False  # no hard links here: delta-rs commits from now on
-            with self._lock:
-                self._snap = None
-            return None
+            with open(tmp, "w", encoding="utf-8") as f:  # a full disk raises here: nothing committed
+                f.write("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
+            try:
+                os.link(tmp, self.entry(version))  # put-if-absent: fails if the version exists
+            except OSError as e:
+                if not isinstance(e, FileExistsError) and e.errno not in _NO_LINKS:
+                    raise
+                if e.errno in _NO_LINKS:
+                    self.links = False  # delta-rs commits from now on
+                with self._lock:
+                    self._snap = None
+                return None
         finally:
-            os.unlink(tmp)
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         new = LogSnapshot(version, self._ident(version), {**snap.txns, app_id: app_version})
         with self._lock:
             self._snap = new
