@@ -541,3 +541,69 @@ def test_jvm_writer_writes_plain_the_columns_whose_dictionary_did_not_pay(spark,
     writer._batches = REPROBE_BATCHES - 1
     writer(batch(2), 2)
     assert writer._plain == frozenset(), "every REPROBE_BATCHES batches, dictionaries are tried again"
+
+
+STOP_JOB = """
+import os, time
+from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
+
+def slow(batches):
+    time.sleep(3)  # a batch's write is in flight most of the time
+    yield from batches
+
+job = Job(
+    name="stop-jvm",
+    source=lambda spark: spark.readStream.format("onceflow-sequence")
+        .option("total", 10**9).option("rows_per_second", 2000)
+        .option("max_rows_per_batch", 2000).option("partitions", 2).load()
+        .mapInArrow(slow, "id long, key long, event_time timestamp"),
+    sink=DeltaSink(os.environ["WORK"] + "/table", writer="jvm"),
+    checkpoint=CheckpointConfig(os.environ["WORK"] + "/ckpt", interval=0),
+    restart_strategy=fixed_delay(attempts=0, delay=0),
+    master="local[2]",
+)
+"""
+
+
+def _run_and_stop(work) -> str:
+    """Run STOP_JOB, ``onceflow stop --savepoint`` it after 3 batches; the supervisor's output."""
+    work.mkdir()
+    (work / "job.py").write_text(STOP_JOB)
+    env = {**os.environ, "WORK": str(work)}
+    sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", str(work / "job.py")],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "ckpt" / "commits" / "2").exists():
+            assert sup.poll() is None and time.monotonic() < deadline, "the job did not commit 3 batches"
+            time.sleep(0.2)
+        time.sleep(1.0)  # into the next batch's write
+        stopper = subprocess.run([sys.executable, "-m", "onceflow", "stop", "--savepoint", str(work / "sp"),
+                                  str(work / "ckpt")], env=env, capture_output=True, text=True, timeout=120)
+        assert stopper.returncode == 0, stopper.stderr
+        assert sup.wait(timeout=60) == 0
+    finally:
+        if sup.poll() is None:
+            os.killpg(sup.pid, signal.SIGKILL)
+        out = sup.communicate(timeout=60)[0]
+    assert "StackOverflowError" not in out, out[-3000:]
+    saved = json.loads((work / "sp" / "_savepoint.json").read_text())
+    report = check_delta_table(str(work / "table"), saved["source_offsets"][0]["next"])
+    assert report.ok, report
+    return out
+
+
+@pytest.mark.slow
+def test_jvm_writer_stopped_mid_write_stops_cleanly_with_a_savepoint(tmp_path):
+    """``onceflow stop --savepoint`` while Spark's write of a batch is in flight: the write is
+    interrupted, and Spark must see that as the query stopping. Its check of the error our
+    foreachBatch raised overflowed the stream thread's stack on a long Java stack trace
+    (StackOverflowError; on a standalone cluster the stop then never finished). The table
+    holds every id below the savepoint's offset exactly once. The runner stops the query when
+    the next batch has started, or in the short pause between batches if it polls there
+    (then nothing is interrupted): up to three runs, one of which must interrupt a write."""
+    for attempt in range(3):
+        if "Spark's write of batch" in _run_and_stop(tmp_path / f"run{attempt}"):
+            return
+    pytest.fail("no stop interrupted a write in three runs")

@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow.parquet as pq
+from py4j.protocol import Py4JJavaError
 
+from onceflow.errors import SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import PreCommitted, TwoPhaseCommitWriter
 from onceflow.sinks.delta.files import dir_name
@@ -94,7 +97,7 @@ class JvmBatchWriter:
         # Either way the decision lookup in commit() is the authority; this only saves a write.
         first = self._last_batch is None or batch_id != self._last_batch + 1
         if first and src.is_decided(lineage, batch_id):
-            df.write.format("noop").mode("overwrite").save()  # drain: upstream state commits
+            self._spark_write(batch_id, lambda: df.write.format("noop").mode("overwrite").save())  # drain
             writer.commit([], batch_id)  # finds the decision: fingerprint check, clean-up
             self._last_batch = batch_id
             return
@@ -104,7 +107,7 @@ class JvmBatchWriter:
             for key, value in SESSION_CONF.items():
                 df.sparkSession.conf.set(key, value)
         options = {**WRITE_OPTIONS, **{f"parquet.enable.dictionary#{c}": "false" for c in self._plain}}
-        df.write.options(**options).parquet(f"{src.table_url}/{name}")
+        self._spark_write(batch_id, lambda: df.write.options(**options).parquet(f"{src.table_url}/{name}"))
         t1 = time.perf_counter()
         handles = self._handles(name)
         t2 = time.perf_counter()
@@ -114,6 +117,26 @@ class JvmBatchWriter:
         self._last_batch = batch_id
         self.last_profile = {"write_s": t1 - t0, "list_s": t2 - t1, "commit_s": time.perf_counter() - t2}
         log.debug("onceflow-delta jvm batch %d: %s", batch_id, self.last_profile)
+
+    @staticmethod
+    def _spark_write(batch_id: int, write: Callable[[], None]) -> None:
+        """Run one of Spark's writes of this batch; a failure is raised again as a short
+        SinkError ending in py4j's own line, ``py4j.protocol.Py4JJavaError: An error occurred
+        while calling <call>.`` + newline + ``: <Java exception>``, without the Java stack trace.
+
+        Spark reads that line to tell a query being stopped (``InterruptedException`` in the
+        write) from a failure, with a pattern that recurses once per character after it: on
+        the stack trace of a cluster job it overflows the stream thread's stack
+        (StackOverflowError), and ``onceflow stop`` then waited for a query that never ended.
+        A failure other than a stop is logged in full first."""
+        try:
+            write()
+        except Py4JJavaError as e:
+            java = e.java_exception.toString()
+            if "Interrupted" not in java:
+                log.error("onceflow-delta: Spark's write of batch %d failed: %s", batch_id, e)
+            raise SinkError(f"onceflow-delta: Spark's write of batch {batch_id} failed: "
+                            f"py4j.protocol.Py4JJavaError: {e.errmsg}: {java}") from None
 
     def _handles(self, name: str) -> list[dict[str, Any]]:
         """The attempt directory's data files as handles (path relative to the table, size,
