@@ -128,11 +128,13 @@ class JvmBatchWriter:
         write) from a failure, with a pattern that recurses once per character after it: on
         the stack trace of a cluster job it overflows the stream thread's stack
         (StackOverflowError), and ``onceflow stop`` then waited for a query that never ended.
-        A failure other than a stop is logged in full first."""
+        A failure other than a stop is logged in full first; the error carries the first line of
+        the Java exception (at most 300 characters)."""
         try:
             write()
         except Py4JJavaError as e:
-            java = e.java_exception.toString()
+            # its first line, capped: a stage failure's message embeds the task's stack trace
+            java = (e.java_exception.toString().splitlines() or [""])[0][:300]
             if "Interrupted" not in java:
                 log.error("onceflow-delta: Spark's write of batch %d failed: %s", batch_id, e)
             raise SinkError(f"onceflow-delta: Spark's write of batch {batch_id} failed: "
