@@ -289,6 +289,8 @@ def stop_with_savepoint(checkpoint_url: str, target: str | None = None, timeout:
     last committed batch as it stops (or, when no driver took one, e.g. the job was waiting
     to restart, this function takes it of the stopped checkpoint)."""
     url = checkpoint_url.rstrip("/")
+    if target and "://" not in target:
+        target = os.path.abspath(target)  # the same place whoever takes it, reported as such
     since = time.time()
     stop_job(url, timeout, savepoint=True, target=target)
     taken = _stop_savepoint_since(url, since)
