@@ -33,7 +33,7 @@ PIPELINES = {
     "payload": ("value AS id", "value % 16 AS key", "timestamp AS event_time", "concat('payload-', value) AS payload"),
 }
 SINKS = {"parquet (built-in file sink)": "parquet", "onceflow-delta (arrow)": "onceflow-delta",
-         "onceflow-delta (jvm)": "onceflow-delta-jvm"}
+         "onceflow-delta (jvm, the default here)": "onceflow-delta-jvm"}
 
 
 def written(spark, fmt: str, out: str) -> int:

@@ -35,7 +35,8 @@ from onceflow.savepoint import (
     list_savepoints,
     read_manifest,
 )
-from onceflow.sinks.delta import _FILE, DeltaSink
+from onceflow.sinks.delta import DeltaSink
+from onceflow.sinks.delta.files import parse_unit, unit
 
 KEYS = 16
 
@@ -61,11 +62,11 @@ def counting_job(ckpt, table, total, backend="hashmap", transform=running_count,
 
 
 def rows_by_lineage(table) -> dict[str, list[tuple[int, int]]]:
-    """Committed (id, running_count) rows per writer lineage (from the Delta file names)."""
+    """Committed (id, running_count) rows per writer lineage (from the names of the Delta files' units)."""
     dt = DeltaTable(str(table))
     out: dict[str, list[tuple[int, int]]] = {}
     for uri in dt.file_uris():
-        lineage = _FILE.match(uri.rsplit("/", 1)[-1])["lineage"]
+        lineage = parse_unit(unit(os.path.relpath(uri.removeprefix("file://"), table)))[0]
         t = pq.read_table(uri.removeprefix("file://"), columns=["id", "running_count"])
         out.setdefault(lineage, []).extend(zip(t["id"].to_pylist(), t["running_count"].to_pylist(), strict=True))
     return {k: sorted(v) for k, v in out.items()}

@@ -330,7 +330,7 @@ job = Job(
     source=lambda spark: spark.readStream.format("onceflow-sequence")
         .option("total", int(os.environ["TOTAL"])).option("rows_per_second", 10**9)
         .option("max_rows_per_batch", 20000).option("partitions", 4).load(),
-    sink=DeltaSink(os.environ["TABLE"]),
+    sink=DeltaSink(os.environ["TABLE"], writer="arrow"),  # the fault fires in a Python task
     checkpoint=CheckpointConfig(os.environ["CKPT"], interval=0),
     restart_strategy=fixed_delay(attempts=0, delay=0),
     stop_when_idle=3.0,
@@ -541,6 +541,43 @@ def test_jvm_writer_writes_plain_the_columns_whose_dictionary_did_not_pay(spark,
     writer._batches = REPROBE_BATCHES - 1
     writer(batch(2), 2)
     assert writer._plain == frozenset(), "every REPROBE_BATCHES batches, dictionaries are tried again"
+
+
+
+def units(table_dir) -> set[str]:
+    """The units (task files, attempt directories) the table's log adds files from."""
+    from onceflow.sinks.delta.files import unit
+
+    return {unit(p) for p in pa.table(DeltaTable(str(table_dir)).get_add_actions(flatten=True)).column("path").to_pylist()}
+
+
+def test_auto_writer_runs_jvm_for_a_local_table_in_a_job_and_arrow_elsewhere(spark, tmp_path):
+    """``DeltaSink(path)`` (writer="auto") runs Spark's own Parquet writer for a local table on a
+    classic session, the Arrow path for any other URL; a named writer is kept."""
+    assert DeltaSink(str(tmp_path / "t")).writer == "auto"
+    assert DeltaSink(str(tmp_path / "t")).for_session(spark).writer == "jvm"
+    assert DeltaSink(f"file://{tmp_path}/t").for_session(spark).writer == "jvm"
+    assert DeltaSink("s3://lake/t").for_session(spark).writer == "arrow"
+    assert DeltaSink(str(tmp_path / "t"), writer="arrow").for_session(spark).writer == "arrow"
+    with pytest.raises(ConfigError, match="use 'auto', 'arrow' or 'jvm'"):
+        DeltaSink(str(tmp_path / "t"), writer="fast")
+    make_job(tmp_path, total=3000).run(spark=spark)
+    assert check_delta_table(str(tmp_path / "table"), 3000).ok
+    assert units(tmp_path / "table") and all("-d" in u and not u.endswith(".parquet") for u in units(tmp_path / "table"))
+
+
+def test_a_table_keeps_exactly_once_when_its_writer_changes_between_runs(spark, tmp_path):
+    """One checkpoint, one table, three runs: arrow, then the default (jvm here), then arrow
+    again. Each run continues after the last decided batch whichever writer decided it."""
+    for total, writer in ((3000, "arrow"), (6000, "auto"), (9000, "arrow")):
+        job = make_job(tmp_path, total=total)
+        job.sink = DeltaSink(str(tmp_path / "table"), writer=writer)
+        job.run(spark=spark)
+        assert check_delta_table(str(tmp_path / "table"), total).ok, writer
+    kinds = {u.endswith(".parquet") for u in units(tmp_path / "table")}
+    assert kinds == {True, False}, "task files of the Arrow runs and attempt directories of the jvm run"
+    commits = [e for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "sink_commit"]
+    assert not any(e["replay"] for e in commits)
 
 
 STOP_JOB = """

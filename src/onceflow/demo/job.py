@@ -51,7 +51,8 @@ job = Job(
     name="demo",
     source=source,
     transform=transform,
-    sink=DeltaSink(os.path.join(_dir, "events")),
+    # arrow: its Python tasks log the records they process, replays included (the demo's report)
+    sink=DeltaSink(os.path.join(_dir, "events"), writer="arrow"),
     checkpoint=CheckpointConfig(os.path.join(_dir, "checkpoint"), interval="1 s"),
     restart_strategy=fixed_delay(attempts=10, delay=0.5),
     stop_when_idle=3.0,

@@ -259,16 +259,17 @@ class JobRunner:
             df = job.dataframe(spark, self.context())
         if not df.isStreaming:
             raise ConfigError(f"job {job.name}: the source must be a streaming DataFrame (spark.readStream...)")
-        sink_opts = dict(job.sink.options())
+        sink = job.sink.for_session(spark)
+        sink_opts = dict(sink.options())
         if is_connect(spark):  # the query runs on the server and would outlive this driver
             sink_opts["driver_lease"] = f"{self.lease.epoch}:{self.lease.ttl_s:g}"
         if job.checkpoint.min_pause_s:
             sink_opts["min_pause"] = str(job.checkpoint.min_pause_s)
-        source = job.sink.data_source({**sink_opts, "checkpointlocation": self.url})
+        source = sink.data_source({**sink_opts, "checkpointlocation": self.url})
         source.write_schema = df.schema
         source.validate(df.schema, job.output_mode == "complete")
         writer = (
-            job.sink.stream_writer(df, source, sink_opts, job.output_mode == "complete")
+            sink.stream_writer(df, source, sink_opts, job.output_mode == "complete")
             .option("checkpointLocation", self.url)
             .outputMode(job.output_mode)
             .queryName(job.name)

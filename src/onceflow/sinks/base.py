@@ -421,6 +421,11 @@ class Sink(ABC):
     def options(self) -> dict[str, str]:
         """Spark options for ``df.writeStream.format(format_name).options(**options())``."""
 
+    def for_session(self, spark: Any) -> Sink:
+        """This sink as it runs in ``spark`` (the runner calls it first; a sink whose default
+        depends on the session decides it here)."""
+        return self
+
     def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],
                       overwrite: bool) -> Any:
         """The query's ``DataStreamWriter`` before the runner sets checkpoint location, output

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from onceflow.errors import ConfigError
 from onceflow.sinks.base import Sink, TwoPhaseCommitSink
-from onceflow.storage import as_options, resolve
+from onceflow.storage import as_options, normalize_url, resolve, scheme_of
 
-WRITERS = ("arrow", "jvm")
+log = logging.getLogger(__name__)
+
+WRITERS = ("auto", "arrow", "jvm")
 
 
 @dataclass
@@ -24,40 +28,56 @@ class DeltaSink(Sink):
     table (fsspec or delta-rs keys, docs/object-stores.md); default: the job's, else
     ``ONCEFLOW_STORAGE_OPTIONS``. They reach the executors as the ``storage_options`` option
     (JSON; Spark redacts option values that look secret in plans and the UI).
-    ``writer``: ``arrow`` (default: a Python data source, any URL, also for plain
-    ``writeStream``) or ``jvm`` (Spark's own Parquet writer per batch, committed by onceflow:
-    faster; Job API on a classic session, local tables; docs/delta-sink.md). Both exactly-once.
+    ``writer``: ``jvm`` (Spark's own Parquet writer per batch, committed by onceflow; Job API
+    on a classic session, local tables), ``arrow`` (a Python data source: any URL, Spark
+    Connect, also plain ``writeStream``), or ``auto`` (default: ``jvm`` where it runs, else
+    ``arrow``; decided when the job starts). Both exactly-once; docs/delta-sink.md.
     """
 
     path: str
     mode: str | None = None
     sink_id: str = "delta"
     storage_options: Mapping[str, Any] | None = None
-    writer: Literal["arrow", "jvm"] = "arrow"
+    writer: Literal["auto", "arrow", "jvm"] = "auto"
 
     format_name = "onceflow-delta"
 
     def __post_init__(self) -> None:
         self.storage_options = as_options(self.storage_options, "DeltaSink.storage_options")
         if self.writer not in WRITERS:
-            raise ConfigError(f"DeltaSink.writer={self.writer!r}; use 'arrow' or 'jvm'")
+            raise ConfigError(f"DeltaSink.writer={self.writer!r}; use 'auto', 'arrow' or 'jvm'")
 
     def options(self) -> dict[str, str]:
         opts = {"path": str(self.path), "sink_id": self.sink_id}
         if self.mode:
             opts["mode"] = self.mode
-        if self.writer != "arrow":
+        if self.writer == "jvm":
             opts["writer"] = self.writer
         resolved = resolve(str(self.path), self.storage_options)  # executors have no job
         if resolved:
             opts["storage_options"] = json.dumps(resolved)
         return opts
 
+    def for_session(self, spark: Any) -> DeltaSink:
+        """``writer="auto"`` decided for ``spark``: ``jvm`` on a classic session for a local
+        table, else ``arrow``."""
+        if self.writer != "auto":
+            return self
+        from onceflow.spark import is_connect
+
+        local = scheme_of(normalize_url(str(self.path))) in ("", "file")
+        decided = copy.copy(self)  # a copy: a subclass may take other constructor arguments
+        decided.writer = "jvm" if local and not is_connect(spark) else "arrow"
+        log.info("onceflow-delta %s: writer=auto runs the %s writer (%s)", self.path, decided.writer,
+                 "a local table on a classic session" if decided.writer == "jvm"
+                 else "Spark Connect" if local else "not a local table")
+        return decided
+
     def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],
                       overwrite: bool) -> Any:
         """Arrow: the ``onceflow-delta`` data source. JVM: ``foreachBatch`` with
         :class:`~onceflow.sinks.delta.jvm.JvmBatchWriter` over the opened ``source``."""
-        if self.writer == "arrow":
+        if self.writer != "jvm":
             return super().stream_writer(df, source, options, overwrite)
         from onceflow.spark import is_connect
 
