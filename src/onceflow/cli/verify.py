@@ -32,7 +32,9 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
 @click.command()
 @click.option("--source", type=click.Choice(SOURCES), default="sequence", show_default=True)
 @click.option("--sink", type=click.Choice(SINKS), default="delta", show_default=True,
-              help="kafka-at_least_once is a control that is NOT exactly-once: verify must fail it.")
+              help="delta: the Delta sink's Python (arrow) write path; delta-jvm: its JVM write path, which "
+                   "DeltaSink(path) runs for a local table in a Job. kafka-at_least_once is a control that "
+                   "is NOT exactly-once: verify must fail it.")
 @click.option("--faults", "faults", default="driver_kill,jvm_kill,worker_kill", show_default=True,
               help=f"Comma-separated fault kinds, injected in a seeded random order. {FAULT_HELP}.")
 @click.option("--count", default=6, show_default=True, type=click.IntRange(0), help="How many faults.")

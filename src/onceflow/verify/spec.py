@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass, field
 from onceflow.errors import ConfigError
 
 SOURCES = ("sequence", "kafka")
-#: sink kinds; ``delta-jvm`` is the Delta sink's JVM write path; ``kafka-at_least_once`` is the
+#: sink kinds; ``delta`` is the Delta sink's Arrow write path, ``delta-jvm`` its JVM write path
+#: (what ``DeltaSink(path)`` runs for a local table in a Job); ``kafka-at_least_once`` is the
 #: deliberately non-exactly-once control
 SINKS = ("delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka", "kafka-at_least_once")
 SALT = "onceflow-verify-"
