@@ -16,8 +16,9 @@ Guarantee (exactly-once), step by step, and what a crash leaves:
    does not list. (Only that batch can be a replay; a later one decided by another driver
    reaches only a zombie, whose commit finds that decision or is fenced, and deletes its
    directory.)
-2. ``before_precommit``; Spark writes the attempt directory (FileOutputCommitter algorithm 2
-   into the fresh directory, no ``_SUCCESS``); ``after_precommit``. A crash here leaves an
+2. ``before_precommit``; this writer creates the fresh attempt directory (with the
+   committer's job directories) and Spark writes into it (FileOutputCommitter algorithm 2, no
+   ``_SUCCESS``); ``after_precommit``. A crash here leaves an
    undecided directory: invisible (no log entry adds it), deleted by the next driver's
    recovery (older epoch, batch after the last decided one) or by the commit of the batch's
    replay in the same driver (same batch, not in the decision). A replay never reuses it.
@@ -64,6 +65,9 @@ WRITE_OPTIONS = {
     "fs.file.impl": "org.apache.hadoop.fs.RawLocalFileSystem",
     "fs.file.impl.disable.cache": "true",
 }
+#: FileOutputCommitter's job attempt directory and the parent of its task attempt directories
+#: (application attempt 0: Spark's write jobs have no other), created before the write
+COMMITTER_DIRS = "_temporary/0/_temporary"
 #: Session settings of the stream's own session (Spark clones the session per query, so the
 #: user's session is untouched): Delta readers expect INT64 microsecond timestamps, not INT96.
 SESSION_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
@@ -107,7 +111,8 @@ class JvmBatchWriter:
             for key, value in SESSION_CONF.items():
                 df.sparkSession.conf.set(key, value)
         options = {**WRITE_OPTIONS, **{f"parquet.enable.dictionary#{c}": "false" for c in self._plain}}
-        self._spark_write(batch_id, lambda: df.write.options(**options).parquet(f"{src.table_url}/{name}"))
+        self._make_dirs(name)
+        self._spark_write(batch_id, lambda: df.write.options(**options).mode("append").parquet(f"{src.table_url}/{name}"))
         t1 = time.perf_counter()
         handles = self._handles(name)
         t2 = time.perf_counter()
@@ -139,6 +144,19 @@ class JvmBatchWriter:
                 log.error("onceflow-delta: Spark's write of batch %d failed: %s", batch_id, e)
             raise SinkError(f"onceflow-delta: Spark's write of batch {batch_id} failed: "
                             f"py4j.protocol.Py4JJavaError: {e.errmsg}: {java}") from None
+
+    def _make_dirs(self, name: str) -> None:
+        """Create the attempt directory and the committer's job directories in it
+        (:data:`COMMITTER_DIRS`) from Python before Spark's write (which then appends into it).
+
+        Without Hadoop's native library, its local filesystem sets the permission of every
+        directory it creates by running ``chmod`` in a new process (about 3 ms each); these four
+        were created one after another on the driver in every batch. A directory that exists is
+        left as it is, so only the task attempt directories and the data files still pay it.
+        The attempt directory is unique to this attempt either way, so nothing else changes:
+        a crash leaves an orphan unit that recovery or the replay's commit deletes whole."""
+        fs, root = self.source._fs()
+        fs.makedirs(f"{root}/{name}/{COMMITTER_DIRS}", exist_ok=True)
 
     def _handles(self, name: str) -> list[dict[str, Any]]:
         """The attempt directory's data files as handles (path relative to the table, size,
