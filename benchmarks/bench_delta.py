@@ -126,11 +126,11 @@ def main() -> None:
                 rate = run(spark, fmt, pipeline, args.per_batch, args.batches, f"{tmp}/{pipeline}-{fmt}-{r}",
                            args.interval, args.query_per_batch)
                 best[name] = max(best.get(name, 0.0), rate)
-                print(f"  {pipeline} run {r + 1}: {name:30s} {rate:12,.0f} rows/s", flush=True)
+                print(f"  {pipeline} run {r + 1}: {name:40s} {rate:12,.0f} rows/s", flush=True)
         base = best["parquet (built-in file sink)"]
         print(f"\n{pipeline}: per_batch={args.per_batch:,} batches={args.batches} (best of {args.repeat})")
         for name, rate in best.items():
-            print(f"  {name:30s} {rate:12,.0f} rows/s   ratio {rate / base:5.2f}x")
+            print(f"  {name:40s} {rate:12,.0f} rows/s   ratio {rate / base:5.2f}x")
         print()
     shutil.rmtree(tmp, ignore_errors=True)
     spark.stop()
