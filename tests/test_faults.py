@@ -1,5 +1,7 @@
 """Fault injection (``onceflow.faults``): a pause stops the driver's process group once, so a
-single SIGCONT to the group resumes it, from whichever thread of the driver it fired."""
+single SIGCONT to the group resumes it, from whichever thread of the driver it fired, and
+that thread stops at the pause point even while the thread that takes the stop waits for a
+CPU."""
 
 from __future__ import annotations
 
@@ -58,6 +60,62 @@ def test_a_paused_driver_resumes_on_one_sigcont_to_its_group(tmp_path, where):
             pytest.fail(f"stopped again ({_state(child.pid)}) after one SIGCONT to its group")
         assert out.strip() == "resumed"
     finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+
+BUSY_CHILD = textwrap.dedent("""
+    import os, sys, threading, time
+    from onceflow.faults import maybe_crash
+
+    fired, busy = int(sys.argv[3]), int(sys.argv[4])
+    go = threading.Event()
+
+    def fire():
+        os.sched_setaffinity(0, {fired})
+        go.wait()
+        maybe_crash("after_decide", 5, None, {"test_crash_at": "after_decide@5:pause",
+                                              "test_crash_markers": sys.argv[1]})
+        open(sys.argv[2], "w").write("a step after the pause point")
+        time.sleep(600)
+
+    threading.Thread(target=fire, daemon=True).start()
+    # The main thread (the one the kernel hands a process's SIGSTOP to) waits for a busy CPU.
+    os.sched_setaffinity(0, {busy})
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    go.set()
+    while True:
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_pause_stops_the_firing_thread_at_its_point_on_a_busy_machine(tmp_path):
+    # The zombie conformance test once saw its driver "paused after the decision lookup"
+    # decide and commit the batch first: the firing thread ran on while the main thread,
+    # which takes the group's SIGSTOP and stops the others, waited 8 ms for a CPU.
+    fired, busy = sorted(os.sched_getaffinity(0))[:2]
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{busy}}})\nwhile True: pass"])
+    env = {k: v for k, v in os.environ.items() if k != "ONCEFLOW_DRIVER_PGID"}
+    after = tmp_path / "after"
+    child = subprocess.Popen([sys.executable, "-c", BUSY_CHILD, str(tmp_path), str(after), str(fired), str(busy)],
+                             start_new_session=True, env=env)
+    try:
+        deadline = time.time() + 30
+        while not (tmp_path / "fired-after_decide-5").exists() or _state(child.pid) != "T":
+            assert time.time() < deadline, f"the pause never fired: {_state(child.pid)}"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert not after.exists(), "the thread that fired the pause ran past it before it stopped"
+        os.killpg(child.pid, signal.SIGCONT)
+        while not after.exists():
+            assert time.time() < deadline, "not resumed by SIGCONT"
+            time.sleep(0.02)
+    finally:
+        hog.kill()
+        hog.wait()
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()

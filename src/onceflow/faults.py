@@ -4,8 +4,9 @@ Set ``ONCEFLOW_CRASH_AT`` (or the sink option ``test_crash_at``) to ``point[@bat
 ``point`` is one of :data:`POINTS`; ``batch`` limits it to one batch id; ``mode`` is
 ``kill`` (SIGKILL the whole driver process group: a machine crash; only for drivers started
 in their own session, as ``onceflow run`` does), ``pause`` (SIGSTOP that same group and the
-firing process: a GC pause, VM freeze or partition; the marker file names the process group
-and pid to SIGCONT), ``kill_executor`` (tasks only, on a cluster:
+firing process: a GC pause, VM freeze or partition; the firing thread does not return
+before its process's stop has begun; the marker file names the process group and pid to
+SIGCONT), ``kill_executor`` (tasks only, on a cluster:
 SIGKILL the executor JVM running the task - an executor lost at that point) or ``raise`` (the
 task or commit raises: an executor/task failure).
 A point fires at most once per ``ONCEFLOW_CRASH_MARKER_DIR`` (a marker file records it),
@@ -91,7 +92,7 @@ def maybe_crash(
             os.killpg(pgid, signal.SIGSTOP)
             if os.getpgid(0) != pgid:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            time.sleep(0.001)  # enter the kernel: this thread stops here, not a few steps on
+            _until_stopping()  # this thread stops here, not a few steps on
             return  # resumed by SIGCONT: carry on as a zombie would
         if mode == "raise":
             raise InjectedCrash(f"injected crash at {point} (batch {batch_id}, partition {partition})")
@@ -132,3 +133,26 @@ def executor_jvm() -> int | None:
             return None
         pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
     return None
+
+
+def _until_stopping(timeout_s: float = 10.0) -> None:
+    """Return once this process's stop has begun for every thread (or it already resumed).
+
+    A SIGSTOP sent to a process is taken by one thread (the kernel prefers the main one),
+    which then makes every other thread stop too. Until that thread gets a CPU, the one that
+    fired runs on: on a loaded machine it finished a whole decide before it stopped. While
+    SIGSTOP waits in the process's shared queue (``ShdPnd`` of /proc/self/status) the stop
+    has not begun; once it has left it, this thread's stop is pending and happens on the way
+    back from the read that saw it."""
+    bit = 1 << (signal.SIGSTOP - 1)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open("/proc/self/status") as f:
+                shared = next((int(ln.split()[1], 16) for ln in f if ln.startswith("ShdPnd:")), 0)
+        except OSError:  # no /proc: give the stop a moment
+            time.sleep(0.05)
+            return
+        if not shared & bit:
+            return
+        time.sleep(0.0005)

@@ -408,5 +408,6 @@ def test_zombie_drivers_are_fenced(case: Case, tmp_path):
     # (i): the zombie's own decide was refused by the sink's epoch check. (ii) decided before
     # its pause; it may finish that commit (the decision is the one that stands), then fails
     # on its next step and finds the newer lease holder.
-    assert "opened the sink since" in fenced[0]["cause"], [e["cause"] for e in fenced]
+    assert "opened the sink since" in fenced[0]["cause"], (
+        [(e["cause"], e.get("query_error")) for e in fenced], (tmp_path / "host-1.log").read_text()[-4000:])
     assert json.loads((ckpt / "metadata").read_text())["id"]

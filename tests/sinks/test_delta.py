@@ -639,8 +639,11 @@ def test_jvm_writer_stopped_mid_write_stops_cleanly_with_a_savepoint(tmp_path):
     (StackOverflowError; on a standalone cluster the stop then never finished). The table
     holds every id below the savepoint's offset exactly once. The runner stops the query when
     the next batch has started, or in the short pause between batches if it polls there
-    (then nothing is interrupted): up to three runs, one of which must interrupt a write."""
-    for attempt in range(3):
+    (then nothing is interrupted). Whether the poll after the in-flight batch comes before
+    or after the next write starts is the luck of a 250 ms poll against the next batch's
+    planning, which a loaded machine slows (three runs in a row missed once): up to eight
+    runs, one of which must interrupt a write."""
+    for attempt in range(8):
         if "Spark's write of batch" in _run_and_stop(tmp_path / f"run{attempt}"):
             return
-    pytest.fail("no stop interrupted a write in three runs")
+    pytest.fail("no stop interrupted a write in eight runs")

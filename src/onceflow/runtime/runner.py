@@ -184,13 +184,18 @@ class JobRunner:
                         self.events.append("failed", cause="the Spark JVM died")
                         raise JvmDied("the driver's Spark JVM died (OOM killer?); the process must "
                                       "restart (onceflow run does that)") from None
+                    query_error = None
                     if not isinstance(error, FencedError):
                         try:  # a failure of a driver that lost the lease: it must not restart
                             self.lease.check()
                         except FencedError as fenced_by_lease:
+                            query_error = str(error) if error is not None else _short_cause(str(e))
+                            log.warning("the query failed (%s) after a newer driver took the lease",
+                                        query_error)
                             error = fenced_by_lease
                     if error is not None and error.fatal:
-                        self.events.append("failed", cause=str(error), error=type(error).__name__)
+                        extra = {"query_error": query_error} if query_error else {}
+                        self.events.append("failed", cause=str(error), error=type(error).__name__, **extra)
                         raise error from None
                     cause = str(error) if error is not None else _short_cause(str(e))
                     delay = job.restart_strategy.on_failure(time.time())
