@@ -7,6 +7,8 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from onceflow.errors import ConfigError
 
@@ -68,6 +70,41 @@ DEFAULTS = {
     "spark.sql.streaming.stopTimeout": "120s",
     "spark.python.worker.reuse": "true",
 }
+
+
+#: Spark's checkpoint files (``offsets/N``, ``commits/N``, state store files) of a query whose
+#: checkpoint is on a local disk are written by the FileSystem-based manager. Spark's default
+#: (FileContext-based) ran, without Hadoop's native library (PySpark ships none), ten new
+#: processes for every file it wrote: ``chmod`` of the file and of its ``.crc``, and eight
+#: ``readlink`` for the rename's checks, about 30 ms per file and two files per trigger. Both
+#: managers write a temporary file and rename it after checking that the target does not exist,
+#: and both keep the ``.crc`` files; on a local disk neither rename is more atomic. Elsewhere
+#: (HDFS: an atomic rename) Spark's choice stands.
+LOCAL_CHECKPOINT_CONF = {
+    "spark.sql.streaming.checkpointFileManagerClass":
+        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+}
+
+
+@contextmanager
+def query_conf(spark, checkpoint_url: str) -> Iterator[dict[str, str]]:
+    """Session settings for the query started inside this block (Spark copies the session's
+    settings when a query starts): :data:`LOCAL_CHECKPOINT_CONF` for a checkpoint on a local
+    disk, unless the session already names them. They are removed again on exit, so the
+    caller's session keeps its own. Yields what was set."""
+    from onceflow.storage import scheme_of
+
+    if scheme_of(checkpoint_url) not in ("", "file"):
+        yield {}
+        return
+    added = {k: v for k, v in LOCAL_CHECKPOINT_CONF.items() if spark.conf.get(k, None) is None}
+    for key, value in added.items():
+        spark.conf.set(key, value)
+    try:
+        yield added
+    finally:
+        for key in added:
+            spark.conf.unset(key)
 
 
 def submitted() -> bool:

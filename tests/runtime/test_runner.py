@@ -86,3 +86,40 @@ def test_min_pause_between_batches(spark, tmp_path):
     assert len(commits) >= 3
     gaps = [b - a for a, b in zip(commits, commits[1:], strict=False)]
     assert min(gaps) >= 1.5, gaps
+
+
+def _checkpoint_manager_of_a_run(spark, tmp_path, name: str) -> str:
+    """Run a small job in a thread; the class of its query's checkpoint file manager."""
+    import threading
+    import time
+
+    job = Job(name=name, source=seq(3000, 1000), sink=DeltaSink(str(tmp_path / name)),
+              checkpoint=CheckpointConfig(str(tmp_path / f"{name}-ckpt"), interval=0), stop_when_idle=1.0)
+    runner = threading.Thread(target=job.run, kwargs={"spark": spark})
+    runner.start()
+    manager = None
+    while runner.is_alive() and manager is None:
+        for q in spark.streams.active:
+            if q.name == name:
+                manager = q._jsq.streamingQuery().offsetLog().fileManager().getClass().getName()
+        time.sleep(0.05)
+    runner.join(timeout=120)
+    assert manager is not None, "the job's query was never seen"
+    return manager
+
+
+def test_a_local_checkpoint_uses_the_filesystem_checkpoint_manager_and_leaves_the_session_alone(spark, tmp_path):
+    """Spark's default manager ran ten processes per checkpoint file (``chmod``, ``readlink``)
+    without Hadoop's native library: ~60 ms of every trigger. A session that names a manager
+    keeps it, and the runner's setting does not outlive the query's start."""
+    key = "spark.sql.streaming.checkpointFileManagerClass"
+    assert spark.conf.get(key, None) is None
+    assert _checkpoint_manager_of_a_run(spark, tmp_path, "fs").endswith(".FileSystemBasedCheckpointFileManager")
+    assert spark.conf.get(key, None) is None
+    chosen = "org.apache.spark.sql.execution.streaming.checkpointing.FileContextBasedCheckpointFileManager"
+    spark.conf.set(key, chosen)
+    try:
+        assert _checkpoint_manager_of_a_run(spark, tmp_path, "fc") == chosen
+        assert spark.conf.get(key) == chosen
+    finally:
+        spark.conf.unset(key)

@@ -38,7 +38,7 @@ from onceflow.errors import (
     OnceflowError,
 )
 from onceflow.runtime.context import RestoreContext, checkpoint_context
-from onceflow.spark import is_connect
+from onceflow.spark import is_connect, query_conf
 from onceflow.storage import url_to_fs
 
 if TYPE_CHECKING:
@@ -298,7 +298,8 @@ class JobRunner:
         t2 = time.time()
         self.events.append("sink_open", sink=job_sink_name(source), lineage=lineage, epoch=epoch,
                            open_s=round(t2 - t1, 3))
-        query = writer.option("epoch", str(epoch)).start()
+        with query_conf(spark, self.url):
+            query = writer.option("epoch", str(epoch)).start()
         self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
                         "query_start_s": round(time.time() - t2, 3)}
         try:
