@@ -37,6 +37,15 @@ def _state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _wait_paused(markers, pid: int, timeout: float = 30) -> float:
+    """Wait until the pause at ``after_decide@5`` fired and ``pid`` is stopped; the deadline."""
+    deadline = time.time() + timeout
+    while not (markers / "fired-after_decide-5").exists() or _state(pid) != "T":
+        assert time.time() < deadline, f"the pause never fired: {_state(pid)}"
+        time.sleep(0.02)
+    return deadline
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["main", "thread"])
 def test_a_paused_driver_resumes_on_one_sigcont_to_its_group(tmp_path, where):
@@ -47,10 +56,7 @@ def test_a_paused_driver_resumes_on_one_sigcont_to_its_group(tmp_path, where):
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), where], start_new_session=True,
                              stdout=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.time() + 30
-        while not (tmp_path / "fired-after_decide-5").exists() or _state(child.pid) != "T":
-            assert time.time() < deadline, f"the pause never fired: {_state(child.pid)}"
-            time.sleep(0.05)
+        _wait_paused(tmp_path, child.pid)
         time.sleep(0.5)
         assert _state(child.pid) == "T"  # paused, and it stays paused
         os.killpg(child.pid, signal.SIGCONT)
@@ -103,10 +109,7 @@ def test_a_pause_stops_the_firing_thread_at_its_point_on_a_busy_machine(tmp_path
     child = subprocess.Popen([sys.executable, "-c", BUSY_CHILD, str(tmp_path), str(after), str(fired), str(busy)],
                              start_new_session=True, env=env)
     try:
-        deadline = time.time() + 30
-        while not (tmp_path / "fired-after_decide-5").exists() or _state(child.pid) != "T":
-            assert time.time() < deadline, f"the pause never fired: {_state(child.pid)}"
-            time.sleep(0.02)
+        deadline = _wait_paused(tmp_path, child.pid)
         time.sleep(0.3)
         assert not after.exists(), "the thread that fired the pause ran past it before it stopped"
         os.killpg(child.pid, signal.SIGCONT)
