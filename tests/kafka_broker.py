@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,6 +103,9 @@ class KafkaBroker:
             env = {"AWS_ACCESS_KEY_ID": "onceflow", "AWS_SECRET_ACCESS_KEY": "onceflow",
                    "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT": endpoint, "AWS_ALLOW_HTTP": "true"}
             engine = "s3://tansu/"
+        # tansu's warnings (e.g. ``otherwise=Some(Committed)``: a wedged partition, see
+        # onceflow/sinks/kafka/turns.py) land in tansu.log beside the state file.
+        env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "warn"))
         cmd = [tansu_binary(), "broker", "--cluster-id", self.cluster_id, "--listener-url", url,
                "--advertised-listener-url", url, "--storage-engine", engine]
         with open(self.state, "w") as f:
@@ -128,9 +132,11 @@ class KafkaBroker:
             self._moto.wait(10)
         self._moto = None
 
-    def log_text(self) -> str:
+    def log_text(self, tail: int | None = 4000) -> str:
+        """The broker's log (its last ``tail`` characters; None: all), without colour codes."""
         path = os.path.join(self._dir, "tansu.log")
-        return Path(path).read_text(errors="replace")[-4000:] if os.path.exists(path) else ""
+        text = re.sub(r"\x1b\[[0-9;]*m", "", Path(path).read_text(errors="replace")) if os.path.exists(path) else ""
+        return text if tail is None else text[-tail:]
 
     def __enter__(self) -> KafkaBroker:
         return self.start()

@@ -18,6 +18,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
@@ -502,3 +503,37 @@ def test_partition_is_computed_before_its_transaction_begins(kafka_broker, topic
     assert rows == 3 and events == ["batch0", "batch1", "batch2", "begin"]
     assert ds.conf["transaction.timeout.ms"] == 5000
     assert sorted(m.value() for m in read_topic(kafka_broker, topic_name)) == [b"0", b"1", b"2"]
+
+
+def test_tasks_ending_their_transactions_at_once_never_wedge_the_marker_partition(topic_name):
+    """tansu 0.6 wedges a partition for good when two transactions on it end at once (see
+    onceflow/sinks/kafka/turns.py). With the probe skipped the sink's transaction ends take
+    turns, so four tasks committing together, batch after batch, leave every batch decidable.
+    Before the turns (or with ``serialize_commits=False``), 30 batches wedged the marker
+    partition in 4 runs of 4 and a marker read failed with MarkerWait. Its own broker: a wedge
+    is for good."""
+    import pyarrow as pa
+
+    with KafkaBroker() as broker:
+        bootstrap = broker.bootstrap
+        create_topic(bootstrap, topic_name, 2)
+        ds = KafkaSink(bootstrap, topic_name, producer_config=ONE_PER_BATCH, timeout=8).data_source(
+            {"skip_broker_probe": "true"})
+        lineage = f"L{uuid.uuid4().hex[:8]}"
+        epoch = ds.open(lineage)
+        rows = [pa.record_batch([pa.array([str(i) for i in range(60)])] * 2, names=["key", "value"])]
+
+        def task(batch: int, partition: int) -> dict:
+            return ds.pre_commit(TaskInfo(lineage, batch, partition, 0), SCHEMA, False, iter(rows))[0]
+
+        batches, tasks = 30, 4
+        try:
+            with ThreadPoolExecutor(tasks) as pool:
+                for batch in range(batches):
+                    handles = list(pool.map(task, [batch] * tasks, range(tasks)))
+                    ds.decide(Decision(lineage, batch, "f" * 32, handles, epoch), SCHEMA, False)
+        finally:
+            log = broker.log_text(tail=None)
+            close_all()
+        assert "otherwise=" not in log, log[-3000:]
+        assert len(read_topic(bootstrap, topic_name, 2)) == batches * tasks * 60

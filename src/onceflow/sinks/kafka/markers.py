@@ -172,7 +172,12 @@ class MarkerLog:
                         f"{FORMAT}: marker topic {self.topic} partition {self.partition}: read_committed "
                         f"position {self.pos} did not reach the log end {end} within {wait:g}s; "
                         "an open transaction holds it (a crashed task's transaction is aborted when "
-                        "the task is retried, or after the sink's transaction_timeout)")
+                        "the task is retried, or after the sink's transaction_timeout). If it stays "
+                        "there after the sink fenced the open transactions, the broker never "
+                        "finalized one that ended: tansu 0.6 does that when two transactions on a "
+                        "partition end at once (its log says otherwise=Some(Committed)); the "
+                        "partition stays wedged until the broker restarts, and serialize_commits="
+                        "true keeps it from happening again")
         return self
 
     def _record(self, value: bytes | None) -> None:

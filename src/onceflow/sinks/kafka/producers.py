@@ -18,6 +18,8 @@ Guarantees:
   already exist. The file is removed when the task is done, whatever happens.
 - :func:`produce_rows` produces every row of the Arrow batches and reports every delivery
   error; it never drops a row silently.
+- Transaction ends (``init_transactions``, :func:`commit`, :func:`abort_quietly`) take turns
+  per broker on this host when the sink serializes them (:mod:`~onceflow.sinks.kafka.turns`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pyspark.sql.types import StructType
 from onceflow.errors import ConfigError, SinkError
 from onceflow.kafka_client import error_text
 from onceflow.sinks.kafka.common import FORMAT
+from onceflow.sinks.kafka.turns import ending
 
 _PRODUCERS: dict[str, Any] = {}
 #: (transactional id, epoch) -> producer of this process's driver incarnations
@@ -50,7 +53,8 @@ def _init(conf: Mapping[str, Any], txn_id: str, timeout: float):
         raise ConfigError(f"{FORMAT}: invalid producer_config: {error_text(e, conf)}; see "
                           "librdkafka's CONFIGURATION.md") from None
     try:
-        producer.init_transactions(timeout)
+        with ending(conf):  # aborts an older attempt's open transaction
+            producer.init_transactions(timeout)
     except KafkaException as e:
         if e.args[0].code() == KafkaError.INVALID_TRANSACTION_TIMEOUT:
             raise ConfigError(
@@ -101,9 +105,16 @@ def drop_driver(txn_id: str, epoch: int | None) -> None:
     _DRIVERS.pop((txn_id, epoch), None)
 
 
-def abort_quietly(producer, txn: str, timeout: float) -> None:
+def commit(conf: Mapping[str, Any], producer, timeout: float) -> None:
+    """Commit ``producer``'s transaction (in this host's turn when serialized: turns.py)."""
+    with ending(conf):
+        producer.commit_transaction(timeout)
+
+
+def abort_quietly(conf: Mapping[str, Any], producer, txn: str, timeout: float) -> None:
     try:
-        producer.abort_transaction(timeout)
+        with ending(conf):
+            producer.abort_transaction(timeout)
     except Exception:  # noqa: BLE001 - fenced or broken: a fresh producer re-initialises
         drop_producer(txn)
 

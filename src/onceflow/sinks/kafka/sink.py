@@ -54,6 +54,7 @@ from onceflow.sinks.kafka.markers import (
     routing_key,
 )
 from onceflow.sinks.kafka.probe import cached_probe, warn_unverified
+from onceflow.sinks.kafka.turns import serialize
 from onceflow.sinks.replay import ContentDigest, check_replay, task_fingerprint
 
 log = logging.getLogger("onceflow.sinks.kafka")
@@ -94,6 +95,9 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         "skip_broker_probe": ("tests only: do not check that the broker hides aborted records; "
                               "exactly-once is then NOT verified (warning logged, event "
                               "'guarantee_unverified' in the job's event log)"),
+        "serialize_commits": ("auto (default: true with skip_broker_probe), true or false: this "
+                              "host's transaction ends on the broker take turns, for brokers that "
+                              "wedge a partition when two end at once (tansu 0.6)"),
     }
 
     def __init__(self, options):
@@ -110,6 +114,11 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         self.skip_probe = o.get("skip_broker_probe", "false").lower() in ("true", "1", "yes")
         if self.mode not in MODES:
             raise ConfigError(f"{FORMAT}: mode={self.mode!r}; use 'exactly_once' or 'at_least_once'")
+        serial = o.get("serialize_commits", "auto").lower()
+        if serial not in ("auto", "true", "false"):
+            raise ConfigError(f"{FORMAT}: serialize_commits={serial!r}; use 'auto', 'true' or 'false'")
+        if (serial == "true" or (serial == "auto" and self.skip_probe)) and self.mode == "exactly_once":
+            serialize(self.bootstrap)
         self.timeout = seconds_option(o, "timeout", 60.0)
         try:
             extra = json.loads(o.get("producer_config") or "{}")
@@ -336,9 +345,9 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                       "epoch": self.epoch}
             self._produce_marker(producer, task.lineage,
                                  partition_key(self.sink_id, task.lineage, task.batch_id, task.partition), marker)
-            producer.commit_transaction(self.timeout)
+            P.commit(self.conf, producer, self.timeout)
         except (KafkaException, SinkError) as e:
-            P.abort_quietly(producer, txn, self.timeout)
+            P.abort_quietly(self.conf, producer, txn, self.timeout)
             if isinstance(e, SinkError):
                 raise
             elapsed = time.monotonic() - started
@@ -351,7 +360,7 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
             raise SinkError(f"{FORMAT}: transaction {txn} (batch {task.batch_id}) failed: "
                             f"{error_text(e, self.conf)}{hint}") from None
         except BaseException:
-            P.abort_quietly(producer, txn, self.timeout)
+            P.abort_quietly(self.conf, producer, txn, self.timeout)
             raise
         handle = {"partition": task.partition, "attempt": task.attempt, "rows": rows, "reused": False}
         return handle, rows
@@ -391,9 +400,9 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                 self._produce_marker(producer, lineage, epoch_key(self.sink_id, lineage, epoch), {
                     "type": "epoch", "sink": self.sink_id, "lineage": lineage, "epoch": epoch,
                     "txn": txn, "at": round(time.time(), 3)})
-                producer.commit_transaction(self.timeout)
+                P.commit(self.conf, producer, self.timeout)
             except KafkaException as e:
-                P.abort_quietly(producer, txn, self.timeout)
+                P.abort_quietly(self.conf, producer, txn, self.timeout)
                 if is_fenced(e):
                     log.warning("%s: another driver of lineage %s initialised %s while this one was "
                                 "taking an epoch; trying again", FORMAT, lineage, txn)
@@ -464,10 +473,10 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                     return
                 producer.begin_transaction()
                 self._produce_marker(producer, lineage, decision_key(self.sink_id, lineage, batch, mine), marker)
-                producer.commit_transaction(self.timeout)
+                P.commit(self.conf, producer, self.timeout)
                 return
             except KafkaException as e:
-                P.abort_quietly(producer, txn, self.timeout)
+                P.abort_quietly(self.conf, producer, txn, self.timeout)
                 P.drop_driver(txn, mine)
                 if not is_fenced(e):
                     raise SinkError(f"{FORMAT}: recording the decision for batch {batch} failed "
@@ -550,6 +559,7 @@ class KafkaSink(Sink):
     marker_topic: str = MARKER_TOPIC
     timeout: float = 60.0
     transaction_timeout: float = DEFAULT_TRANSACTION_TIMEOUT
+    serialize_commits: bool | None = None
 
     format_name = FORMAT
 
@@ -568,6 +578,8 @@ class KafkaSink(Sink):
             opts["transaction_timeout"] = str(self.transaction_timeout)
         if self.topic:
             opts["topic"] = self.topic
+        if self.serialize_commits is not None:
+            opts["serialize_commits"] = str(self.serialize_commits).lower()
         if self.producer_config:
             opts["producer_config"] = json.dumps(dict(self.producer_config))
         return opts

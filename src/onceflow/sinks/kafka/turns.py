@@ -1,0 +1,107 @@
+"""One Kafka transaction end at a time per broker on this host (option ``serialize_commits``).
+
+Why: tansu 0.6 (the test suite's broker) finalizes a transaction only once every transaction
+overlapping it on a shared partition is prepared, and the end that finds them so finalizes
+all of them. When two transactions on one partition end at the same moment, one of them can
+be finalized by the other while it is still writing its own commit marker; that marker then
+re-attaches its offsets to the finalized transaction, and every later transaction on those
+partitions waits for it for ever (tansu logs ``otherwise=Some(Committed)``). The marker
+partition's last stable offset stops for good: every marker read times out. Kafka itself has
+no such coupling. ``benchmarks/tansu_wedge.py`` reproduces it: three producers that commit at
+once wedge the partition within a few rounds, and never when their ends take turns.
+
+Guarantees of :func:`ending`:
+- with the broker not serialized (the default on a broker that passed the probe) it does
+  nothing;
+- otherwise, transaction ends of this host's processes and threads on that broker
+  (``init_transactions``, which aborts an older attempt's open transaction, ``commit``,
+  ``abort``) run one at a time, under a file lock in the temporary directory;
+- it never blocks for good: a holder that dies releases the lock with its file descriptor, a
+  holder that is stopped (SIGSTOP, a paused zombie) is passed by at once, and after
+  :data:`TURN_WAIT_S` an end goes ahead alone. Passing by only re-opens the window above;
+  exactly-once does not depend on it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+#: bootstrap strings whose transaction ends this process takes turns for
+_SERIAL: set[str] = set()
+#: the longest an end waits for its turn before it goes ahead alone
+TURN_WAIT_S = 5.0
+
+
+def serialize(bootstrap: str) -> None:
+    """From now on, this process's transaction ends on ``bootstrap`` take turns."""
+    _SERIAL.add(bootstrap)
+
+
+def lock_path(bootstrap: str) -> str:
+    digest = hashlib.sha1(bootstrap.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"onceflow-kafka-ends-{digest}.lock")
+
+
+@contextmanager
+def ending(conf: Mapping[str, Any]) -> Iterator[None]:
+    """Hold this host's turn to end a transaction on ``conf``'s broker (see module doc)."""
+    bootstrap = conf["bootstrap.servers"]
+    if bootstrap not in _SERIAL:
+        yield
+        return
+    try:
+        fd = os.open(lock_path(bootstrap), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # another user's lock file, a read-only /tmp: go ahead alone
+        yield
+        return
+    try:
+        held = _take(fd)
+        try:
+            yield
+        finally:
+            if held:
+                os.ftruncate(fd, 0)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _take(fd: int) -> bool:
+    """Lock ``fd`` and write this pid into it; False when the end goes ahead alone."""
+    deadline = time.monotonic() + TURN_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if _stopped(_holder(fd)) or time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+            continue
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        return True
+
+
+def _holder(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 16, 0) or b"0") or None
+    except ValueError:
+        return None
+
+
+def _stopped(pid: int | None) -> bool:
+    """Whether ``pid`` is stopped by a signal (state T) or traced (t)."""
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False

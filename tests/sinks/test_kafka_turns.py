@@ -1,0 +1,84 @@
+"""The Kafka sink's turns for transaction ends (onceflow/sinks/kafka/turns.py), with real
+processes holding the lock: a live holder is waited for, a stopped one passed by, a dead one
+releases it. The broker-level effect is tested in test_kafka_sink.py (the wedge)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from onceflow.sinks.kafka import turns
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from onceflow.sinks.kafka import turns
+    turns.serialize(sys.argv[1])
+    with turns.ending({"bootstrap.servers": sys.argv[1]}):
+        open(sys.argv[2], "w").close()
+        time.sleep(float(sys.argv[3]))
+""")
+
+
+@pytest.fixture
+def bootstrap():
+    name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"
+    turns.serialize(name)
+    yield name
+    turns._SERIAL.discard(name)
+    Path(turns.lock_path(name)).unlink(missing_ok=True)
+
+
+def _holder(bootstrap: str, tmp_path: Path, hold_s: float) -> subprocess.Popen:
+    ready = tmp_path / f"ready-{uuid.uuid4().hex[:6]}"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, bootstrap, str(ready), str(hold_s)],
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    deadline = time.monotonic() + 30
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the holder did not take its turn"
+        time.sleep(0.01)
+    return proc
+
+
+def _wait_for_turn(bootstrap: str) -> tuple[float, int]:
+    """Seconds until this process's end got its turn, and the pid in the lock file then."""
+    started = time.monotonic()
+    with turns.ending({"bootstrap.servers": bootstrap}):
+        waited = time.monotonic() - started
+        holder = int(Path(turns.lock_path(bootstrap)).read_text() or 0)
+    return waited, holder
+
+
+def test_a_live_holder_is_waited_for_and_the_turn_is_then_this_processes(bootstrap, tmp_path):
+    proc = _holder(bootstrap, tmp_path, 1.0)
+    waited, holder = _wait_for_turn(bootstrap)
+    assert proc.wait(10) == 0
+    assert 0.5 < waited < turns.TURN_WAIT_S and holder == os.getpid()
+    assert Path(turns.lock_path(bootstrap)).read_text() == ""  # released: no stale pid left
+
+
+def test_a_stopped_holder_is_passed_by_and_a_killed_one_releases_the_turn(bootstrap, tmp_path):
+    proc = _holder(bootstrap, tmp_path, 60)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        waited, holder = _wait_for_turn(bootstrap)
+        assert waited < 1 and holder == proc.pid  # went ahead alone: the lock is still the holder's
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    waited, holder = _wait_for_turn(bootstrap)
+    assert waited < 1 and holder == os.getpid()
+
+
+def test_ends_on_a_broker_that_is_not_serialized_take_no_turn(tmp_path):
+    name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"
+    with turns.ending({"bootstrap.servers": name}):
+        pass
+    assert not Path(turns.lock_path(name)).exists()
