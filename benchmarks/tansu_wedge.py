@@ -90,7 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3, help="rounds per setting (default 3)")
     ap.add_argument("--batches", type=int, default=40, help="batches per round (default 40)")
-    ap.add_argument("--tasks", type=int, default=3, help="producers ending at once (default 3)")
+    ap.add_argument("--tasks", type=int, default=4, help="producers ending at once (default 4)")
     args = ap.parse_args()
     os.environ.setdefault("RUST_LOG", "warn")
     results: dict[bool, list[int]] = {False: [], True: []}
