@@ -82,3 +82,22 @@ def test_ends_on_a_broker_that_is_not_serialized_take_no_turn(tmp_path):
     with turns.ending({"bootstrap.servers": name}):
         pass
     assert not Path(turns.lock_path(name)).exists()
+
+
+def test_the_sink_takes_turns_on_a_broker_whose_probe_is_skipped_or_when_told():
+    from onceflow.errors import ConfigError
+    from onceflow.sinks.kafka import KafkaSink
+
+    def serialized(**kw) -> bool:
+        name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"
+        extra = kw.pop("extra", {})
+        KafkaSink(name, "t", **kw).data_source(extra)
+        return name in turns._SERIAL
+
+    assert not serialized()
+    assert serialized(extra={"skip_broker_probe": "true"})
+    assert not serialized(serialize_commits=False, extra={"skip_broker_probe": "true"})
+    assert serialized(serialize_commits=True)
+    assert not serialized(serialize_commits=True, mode="at_least_once")  # no transactions
+    with pytest.raises(ConfigError, match="serialize_commits='maybe'; use 'auto', 'true' or 'false'"):
+        serialized(extra={"serialize_commits": "maybe"})
