@@ -7,8 +7,8 @@ be finalized by the other while it is still writing its own commit marker; that 
 re-attaches its offsets to the finalized transaction, and every later transaction on those
 partitions waits for it for ever (tansu logs ``otherwise=Some(Committed)``). The marker
 partition's last stable offset stops for good: every marker read times out. Kafka itself has
-no such coupling. ``benchmarks/tansu_wedge.py`` reproduces it: three producers that commit at
-once wedge the partition within a few rounds, and never when their ends take turns.
+no such coupling. ``benchmarks/tansu_wedge.py`` reproduces it: four producers that commit at
+once wedged the partition in 2 of 3 rounds of 40 batches, and never when their ends took turns.
 
 Guarantees of :func:`ending`:
 - with the broker not serialized (the default on a broker that passed the probe) it does
