@@ -360,6 +360,31 @@ KILL_JOB = textwrap.dedent("""
 """)
 
 
+def test_the_kinesis_server_outlives_a_client_killed_with_a_request_in_flight(stream_name):
+    """kinesalite crashed when a client died mid-request (a SIGKILLed driver); a CI run of the
+    SIGKILL test below then failed on "connection refused". The test server must outlive its
+    clients, as Kinesis does, and keep what it stored."""
+    with Kinesalite() as k:
+        k.create_stream(stream_name, 1)
+        put_ids(k, stream_name, range(3))
+        client = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+            import socket, time
+            s = socket.create_connection(("127.0.0.1", {k.port}))
+            s.sendall(b"POST / HTTP/1.1\\r\\nHost: k\\r\\nX-Amz-Target: Kinesis_20131202.PutRecords\\r\\n"
+                      b"Content-Type: application/x-amz-json-1.1\\r\\nContent-Length: 5000\\r\\n\\r\\n{{")
+            print("in flight", flush=True)
+            time.sleep(60)""")], stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "in flight"
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        time.sleep(0.5)
+        put_ids(k, stream_name, range(3, 5))
+        it = k.client().get_shard_iterator(StreamName=stream_name, ShardId=SHARD0,
+                                           ShardIteratorType="TRIM_HORIZON")["ShardIterator"]
+        records = k.client().get_records(ShardIterator=it)["Records"]
+        assert [int(r["Data"]) for r in records] == list(range(5))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_kinesis_to_postgres_exactly_once_through_random_driver_sigkills(kinesalite, kinesis_pg, stream_name, tmp_path):
