@@ -23,6 +23,7 @@ import signal
 import time
 
 from onceflow.errors import InjectedCrash
+from onceflow.procfs import stat_fields
 
 POINTS = (
     "before_precommit",  # task: before writing anything
@@ -127,11 +128,12 @@ def executor_jvm() -> int | None:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"CoarseGrainedExecutorBackend" in f.read():
                     return pid
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
         except OSError:
             return None
-        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        fields = stat_fields(pid)
+        if fields is None:
+            return None
+        pid = int(fields[1])
     return None
 
 

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.lease import DriverLease
+from onceflow.procfs import stat_fields
 from onceflow.runtime.driver import (
     EXIT_CONFIG,
     EXIT_FENCED,
@@ -98,12 +99,9 @@ def group_members(pgid: int) -> list[int] | None:
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+        fields = stat_fields(name)
+        if fields is None:
             continue  # exited meanwhile
-        fields = stat[stat.rindex(b")") + 2 :].split()
         if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
             pids.append(int(name))
     return pids
@@ -112,11 +110,10 @@ def group_members(pgid: int) -> list[int] | None:
 def process_start_time(pid: int) -> int | None:
     """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None when
     unknown. Together with the host it tells a live process from a reused pid."""
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        return int(fields[19]) if fields else None
+    except (ValueError, IndexError):
         return None
 
 

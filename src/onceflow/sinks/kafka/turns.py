@@ -33,6 +33,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from onceflow.procfs import stat_fields
+
 #: bootstrap strings whose transaction ends this process takes turns for
 _SERIAL: set[str] = set()
 #: the longest an end waits for its turn before it goes ahead alone
@@ -98,10 +100,5 @@ def _holder(fd: int) -> int | None:
 
 def _stopped(pid: int | None) -> bool:
     """Whether ``pid`` is stopped by a signal (state T) or traced (t)."""
-    if pid is None:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(pid) if pid is not None else None
+    return bool(fields) and fields[0] in (b"T", b"t")
