@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -20,11 +21,10 @@ def test_stat_fields_of_a_stopped_child_then_of_a_reaped_one():
                              start_new_session=True)
     try:
         os.kill(child.pid, signal.SIGSTOP)
-        for _ in range(200):
-            fields = stat_fields(child.pid)
-            if fields and fields[0] == b"T":
-                break
-        assert fields[0] == b"T"
+        deadline = time.monotonic() + 10  # the child stops once it is next scheduled
+        while (fields := stat_fields(child.pid)) and fields[0] != b"T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fields and fields[0] == b"T", fields
         assert int(fields[1]) == os.getpid() and int(fields[2]) == child.pid
         assert process_start_time(child.pid) == int(fields[19]) > 0
         assert group_members(child.pid) == [child.pid]
