@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Job": "onceflow.job",
-    "CheckpointConfig": "onceflow.job",
-    "RestoreContext": "onceflow.runtime.context",
+    "CheckpointConfig": "onceflow.checkpoint.config",
+    "RestoreContext": "onceflow.savepoint.context",
     "DeltaSink": "onceflow.sinks.delta",
     "PostgresSink": "onceflow.sinks.postgres",
     "KafkaSink": "onceflow.sinks.kafka",

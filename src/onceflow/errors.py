@@ -72,6 +72,10 @@ class DriverLeaseLapsed(OnceflowError):
     fatal = False
 
 
+class GaveUp(OnceflowError):
+    """The restart strategy gave up after repeated query failures."""
+
+
 class InjectedCrash(RuntimeError):
     """Raised by a fault-injection point configured for tests (never in production)."""
 
@@ -82,3 +86,15 @@ BY_NAME: dict[str, type[OnceflowError]] = {
     c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError, SourceError,
                                  DriverLeaseLapsed)
 }
+
+
+# ---- exit codes of a driver process (``python -m onceflow.runtime.driver``), read by the
+# supervisor and returned by ``onceflow run``; here so that every layer may name them.
+EXIT_OK = 0  #: finished, or stopped on request
+EXIT_CRASHED = 1  #: an outage the driver could not wait out in-process: restart per strategy
+EXIT_CONFIG = 2  #: a configuration or user error: not restarted
+EXIT_GAVE_UP = 3  #: the in-process restart strategy gave up: not restarted
+EXIT_SAVEPOINT_FAILED = 4  #: stopped on request, but the savepoint could not be taken
+EXIT_FENCED = 5  #: a newer driver took over this lineage: not restarted while it holds the lease
+EXIT_JVM_DIED = 70  #: the Spark JVM died under a live driver: restarted like a crash
+EXIT_FORCED = 130  #: stopped by a second SIGINT: the in-flight batch was abandoned (replayed next run)

@@ -23,7 +23,7 @@ import signal
 import time
 
 from onceflow.errors import InjectedCrash
-from onceflow.procfs import stat_fields
+from onceflow.process import executor_jvm
 
 POINTS = (
     "before_precommit",  # task: before writing anything
@@ -118,23 +118,6 @@ def maybe_slow() -> None:
     except (OSError, ValueError):
         return
     time.sleep(max(0.0, delay))
-
-
-def executor_jvm() -> int | None:
-    """The pid of the executor JVM (CoarseGrainedExecutorBackend) this process descends from."""
-    pid = os.getppid()
-    while pid > 1:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"CoarseGrainedExecutorBackend" in f.read():
-                    return pid
-        except OSError:
-            return None
-        fields = stat_fields(pid)
-        if fields is None:
-            return None
-        pid = int(fields[1])
-    return None
 
 
 def _until_stopping(timeout_s: float = 10.0) -> None:

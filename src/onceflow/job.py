@@ -5,6 +5,10 @@ A :class:`Job` names a source (any Spark streaming DataFrame factory), an option
 argument), a transactional sink, a :class:`CheckpointConfig` and a
 :class:`~onceflow.runtime.restart.RestartStrategy`. ``job.run()`` blocks until the source is
 exhausted (bounded sources), a stop is requested, or the restart strategy gives up.
+
+The job is a description: how it runs is :mod:`onceflow.runtime`'s business (which works on
+any :class:`~onceflow.runtime.spec.JobSpec` and never imports this module); ``run()`` hands the
+job to :func:`onceflow.runtime.launch.run_in_process`, the same steps ``onceflow run`` takes.
 """
 
 from __future__ import annotations
@@ -14,65 +18,20 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from onceflow.durations import seconds
-from onceflow.errors import ConfigError, OnceflowError
-from onceflow.runtime.context import RestoreContext, check_arity
-from onceflow.runtime.context import call as call_with_context
+from onceflow.checkpoint.config import CheckpointConfig
+from onceflow.errors import ConfigError
+from onceflow.runtime.launch import restore_request, run_in_process
 from onceflow.runtime.restart import RestartStrategy, fixed_delay
+from onceflow.savepoint.context import RestoreContext, check_arity
+from onceflow.savepoint.context import call as call_with_context
+from onceflow.storage import configure
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
     from onceflow.sinks.base import Sink
 
-@dataclass
-class CheckpointConfig:
-    """Where and how often micro-batches are checkpointed.
-
-    ``directory``: any filesystem URL Spark and fsspec understand (local path in tests).
-    ``interval``: trigger interval (Flink's checkpoint interval). ``state_backend``:
-    ``hashmap`` (Spark's HDFS-backed store) or ``rocksdb``; ``incremental`` turns on RocksDB
-    changelog checkpointing. ``batches_retained``: Spark's ``minBatchesToRetain``.
-    ``batch_timeout``: a batch running longer fails the attempt (restart strategy applies).
-    ``min_pause``: at least this long between the end of one batch's sink commit and the
-    start of the next batch (enforced by the sink after its commit).
-    """
-
-    directory: str
-    interval: float | str = "1 s"
-    state_backend: Literal["hashmap", "rocksdb"] = "hashmap"
-    incremental: bool = True
-    batches_retained: int = 100
-    batch_timeout: float | str | None = None
-    min_pause: float | str = 0
-
-    def __post_init__(self) -> None:
-        if not self.directory:
-            raise ConfigError("CheckpointConfig.directory is empty; give a directory path or URL")
-        if self.state_backend not in ("hashmap", "rocksdb"):
-            raise ConfigError(
-                f"CheckpointConfig.state_backend={self.state_backend!r}: use 'hashmap' or 'rocksdb'"
-            )
-        if self.batches_retained < 1:
-            raise ConfigError("CheckpointConfig.batches_retained must be at least 1")
-        self.interval_s = seconds(self.interval, "CheckpointConfig.interval") or 0.0
-        self.batch_timeout_s = seconds(self.batch_timeout, "CheckpointConfig.batch_timeout")
-        self.min_pause_s = seconds(self.min_pause, "CheckpointConfig.min_pause") or 0.0
-
-    def spark_conf(self) -> dict[str, str]:
-        conf = {
-            "spark.sql.streaming.minBatchesToRetain": str(self.batches_retained),
-            "spark.sql.streaming.stateStore.providerClass":
-                "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
-        }
-        if self.state_backend == "rocksdb":
-            conf["spark.sql.streaming.stateStore.providerClass"] = (
-                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
-            )
-            conf["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] = str(
-                self.incremental
-            ).lower()
-        return conf
+__all__ = ["CheckpointConfig", "Job"]
 
 
 @dataclass
@@ -111,8 +70,6 @@ class Job:
         if self.output_mode not in ("append", "complete", "update"):
             raise ConfigError(f"Job.output_mode {self.output_mode!r}: use append, complete or update")
         if self.storage_options is not None:
-            from onceflow.storage import configure
-
             self.storage_options = configure(self.storage_options)
 
     def dataframe(self, spark: SparkSession, context: RestoreContext | None = None) -> DataFrame:
@@ -135,23 +92,5 @@ class Job:
         even when its holder looks alive (a promoted standby: the supervisor saw it die; the
         sinks' fencing epochs stop it should it only have been paused).
         """
-        from onceflow.runtime.runner import JobRunner
-        from onceflow.savepoint.restore import RestoreRequest
-
-        restore = (RestoreRequest(from_savepoint, fork, rescale, allow_non_restored_state)
-                   if from_savepoint else None)
-        absent = False
-        if restore is not None:  # refuse a bad restore before anything is created on disk
-            from onceflow.storage import url_to_fs
-
-            fs, path = url_to_fs(self.checkpoint.directory)
-            absent = not fs.exists(path)
-            restore.check(self.checkpoint.directory, job=self, spark=spark)
-        try:
-            JobRunner(self, spark=spark, stop=stop, restore=restore, takeover=takeover).run()
-        except OnceflowError:
-            if absent:  # e.g. a checksum mismatch found while copying: leave it absent again
-                from onceflow.savepoint.restore import remove_if_only_onceflow
-
-                remove_if_only_onceflow(self.checkpoint.directory)
-            raise
+        run_in_process(self, spark, stop, takeover=takeover,
+                       restore=restore_request(from_savepoint, fork, rescale, allow_non_restored_state))

@@ -134,7 +134,7 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
     conf = {**(conf or {}), **cli_conf()}
     if not submitted():  # under spark-submit, its --conf settings win over onceflow's defaults
         conf = {**DEFAULTS, **conf}
-        from onceflow.runtime import jvm_cache
+        from onceflow import jvm_cache
 
         cds = jvm_cache.java_options()  # the driver JVM maps its classes from an archive
         if cds:

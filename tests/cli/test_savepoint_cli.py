@@ -18,10 +18,11 @@ from click.testing import CliRunner
 
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.cli.main import main
-from onceflow.cli.savepoint import restore_env_for_run
+from onceflow.errors import EXIT_OK, EXIT_SAVEPOINT_FAILED
 from onceflow.runtime import driver
-from onceflow.runtime.supervisor import CHECKPOINT_ENV
+from onceflow.runtime.launch import CHECKPOINT_ENV
 from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV
+from onceflow.savepoint.restore import RestoreRequest, restore_env
 from onceflow.verify.exactly_once import check_delta_table
 
 JOB = textwrap.dedent(
@@ -157,12 +158,13 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     # 'onceflow run --from-savepoint SP --checkpoint C3' hands the driver exactly this
     # environment; the driver runs in-process here to reuse the test's JVM.
     ckpt3 = tmp_path / "ckpt3"
-    restore = restore_env_for_run(str(ckpt3), sp2, False, None, False)
+    RestoreRequest(sp2).check(str(ckpt3))  # what 'onceflow run' checks before its drivers start
+    restore = restore_env(sp2, False, None, False)
     for k, v in {**env, "TOTAL": str(resumed_at + 3000), CHECKPOINT_ENV: str(ckpt3), **restore}.items():
         monkeypatch.setenv(k, v)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        assert driver.main([str(tmp_path / "job.py")]) == driver.EXIT_OK
+        assert driver.main([str(tmp_path / "job.py")]) == EXIT_OK
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -194,7 +196,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     capsys.readouterr()
     threading.Thread(target=sigterm_after_a_new_batch, daemon=True).start()
     try:
-        assert driver.main([str(tmp_path / "job.py")]) == driver.EXIT_SAVEPOINT_FAILED
+        assert driver.main([str(tmp_path / "job.py")]) == EXIT_SAVEPOINT_FAILED
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -235,7 +237,7 @@ def test_stop_checks_host_and_start_time_before_signalling(tmp_path):
     import socket
 
     from onceflow.checkpoint.eventlog import EventLog
-    from onceflow.runtime.supervisor import process_start_time
+    from onceflow.process import start_time as process_start_time
 
     ckpt = str(tmp_path / "ckpt")
     me = os.getpid()  # a live process that is not a supervisor: SIGTERM would kill pytest
@@ -262,7 +264,7 @@ def test_stop_request_is_consumed_and_never_outlives_its_stop(tmp_path):
     import threading
 
     from onceflow.checkpoint.eventlog import EventLog
-    from onceflow.runtime.supervisor import process_start_time
+    from onceflow.process import start_time as process_start_time
     from onceflow.savepoint.operations import _write_request, stop_job, take_stop_request
 
     ckpt = str(tmp_path / "ckpt")

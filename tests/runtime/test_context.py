@@ -10,8 +10,8 @@ from test_runner import CrashingDeltaSink, seq
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import ConfigError
 from onceflow.job import CheckpointConfig, Job
-from onceflow.runtime.context import RestoreContext, call
 from onceflow.runtime.restart import fixed_delay
+from onceflow.savepoint.context import RestoreContext, call
 from onceflow.sinks.delta import DeltaSink
 from onceflow.verify.exactly_once import check_delta_table
 

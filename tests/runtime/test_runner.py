@@ -6,9 +6,9 @@ import pytest
 
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.demo.job import transform as running_count
+from onceflow.errors import GaveUp
 from onceflow.job import CheckpointConfig, Job
 from onceflow.runtime.restart import fixed_delay
-from onceflow.runtime.runner import GaveUp
 from onceflow.sinks.delta import DeltaSink
 from onceflow.verify.exactly_once import check_delta_table
 

@@ -207,7 +207,7 @@ def test_sigterm_to_supervisor_stops_the_driver_gracefully(tmp_path, child):
     assert ev[-1]["signal"] == "SIGTERM" and ev[-1]["exit_code"] == 0 and not ev[-1]["forced"]
     # What 'onceflow stop' checks before signalling: this host, this supervisor's start time.
     assert ev[0]["host"] == socket.gethostname() and ev[0]["supervisor_pid"] == sup.pid
-    assert isinstance(ev[0]["supervisor_started"], int)
+    assert isinstance(ev[0]["supervisor_started"], float)  # psutil: seconds since the epoch
 
 
 def test_a_failed_stop_is_the_supervisors_exit_code(tmp_path, child):
@@ -239,8 +239,8 @@ def test_describe_exit():
 
 def test_overrides_reach_the_job_through_the_environment(tmp_path):
     from onceflow.job import CheckpointConfig, Job
+    from onceflow.runtime.launch import CHECKPOINT_ENV, RESTART_STRATEGY_ENV, apply_overrides
     from onceflow.runtime.restart import NoRestart
-    from onceflow.runtime.supervisor import CHECKPOINT_ENV, RESTART_STRATEGY_ENV, apply_overrides
 
     job = Job("j", source=lambda spark: None, sink=object(), checkpoint=CheckpointConfig(str(tmp_path)))
     apply_overrides(job, {CHECKPOINT_ENV: str(tmp_path / "other"), RESTART_STRATEGY_ENV: "none"})

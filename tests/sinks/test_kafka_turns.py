@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from onceflow.sinks.kafka import turns
+from onceflow.sinks.kafka import producers, turns
 
 HOLDER = textwrap.dedent("""
     import sys, time
-    from onceflow.sinks.kafka import turns
+    from onceflow.sinks.kafka import producers, turns
     turns.serialize(sys.argv[1])
-    with turns.ending({"bootstrap.servers": sys.argv[1]}):
+    with producers.ending({"bootstrap.servers": sys.argv[1]}):
         open(sys.argv[2], "w").close()
         time.sleep(float(sys.argv[3]))
         open(sys.argv[2] + ".releasing", "w").write(repr(time.time()))
@@ -33,7 +33,7 @@ def bootstrap():
     name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"
     turns.serialize(name)
     yield name
-    turns._SERIAL.discard(name)
+    producers._END_GUARDS.pop(name, None)
     Path(turns.lock_path(name)).unlink(missing_ok=True)
 
 
@@ -52,7 +52,7 @@ def _wait_for_turn(bootstrap: str) -> tuple[float, int, float]:
     """Seconds until this process's end got its turn, the pid in the lock file then, and the
     wall-clock time the turn came."""
     started = time.monotonic()
-    with turns.ending({"bootstrap.servers": bootstrap}):
+    with producers.ending({"bootstrap.servers": bootstrap}):
         waited, at = time.monotonic() - started, time.time()
         holder = int(Path(turns.lock_path(bootstrap)).read_text() or 0)
     return waited, holder, at
@@ -84,9 +84,9 @@ def test_a_stopped_holder_is_passed_by_and_a_killed_one_releases_the_turn(bootst
 
 def test_ends_on_a_broker_that_is_not_serialized_take_no_turn(tmp_path):
     name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"
-    with turns.ending({"bootstrap.servers": name}):
+    with producers.ending({"bootstrap.servers": name}):
         pass
-    assert not Path(turns.lock_path(name)).exists()
+    assert not Path(turns.lock_path(name)).exists() and name not in producers._END_GUARDS
 
 
 def test_the_sink_takes_turns_on_a_broker_whose_probe_is_skipped_or_when_told():
@@ -97,7 +97,7 @@ def test_the_sink_takes_turns_on_a_broker_whose_probe_is_skipped_or_when_told():
         name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"
         extra = kw.pop("extra", {})
         KafkaSink(name, "t", **kw).data_source(extra)
-        return name in turns._SERIAL
+        return name in producers._END_GUARDS
 
     assert not serialized()
     assert serialized(extra={"skip_broker_probe": "true"})

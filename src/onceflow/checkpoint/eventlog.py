@@ -32,7 +32,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from onceflow.storage import is_local, url_to_fs
+from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.storage import is_local
 
 log = logging.getLogger("onceflow.eventlog")
 
@@ -70,9 +71,10 @@ def _ms(name: str) -> int:
 class EventLog:
     """Append-only event log for one checkpoint."""
 
-    def __init__(self, checkpoint_url: str):
-        self.url = events_url(checkpoint_url)
-        self.fs, self.path = url_to_fs(self.url)
+    def __init__(self, checkpoint: CheckpointDir | str):
+        ckpt = CheckpointDir.of(checkpoint)
+        self.url = events_url(ckpt.url)
+        self.fs, self.path = ckpt.fs, ckpt._p(EVENTS_DIR, EVENTS_FILE)
         self.objects = f"{self.path.rsplit('/', 1)[0]}/{EVENTS_OBJECTS}"
         self.local = is_local(self.fs)
 

@@ -32,12 +32,24 @@ class BatchOffsets:
 
 
 class CheckpointDir:
-    """A Spark structured-streaming checkpoint directory on any filesystem URL."""
+    """A Spark structured-streaming checkpoint directory on any filesystem URL.
+
+    The URL is resolved once (filesystem and path, with the registered storage options); the
+    object is then handed down to whatever works on the checkpoint (the event log, the lease,
+    the runner), which take it instead of the URL (:meth:`of`)."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.fs: fsspec.AbstractFileSystem
         self.fs, self.path = url_to_fs(self.url)
+
+    @classmethod
+    def of(cls, checkpoint: CheckpointDir | str) -> CheckpointDir:
+        """``checkpoint`` itself, or the checkpoint directory at that URL."""
+        return checkpoint if isinstance(checkpoint, CheckpointDir) else cls(checkpoint)
+
+    def __repr__(self) -> str:
+        return f"CheckpointDir({self.url!r})"
 
     def _p(self, *parts: str) -> str:
         return "/".join([self.path, *parts])
@@ -47,7 +59,12 @@ class CheckpointDir:
 
     @cached_property
     def lineage(self) -> str:
-        """The query id Spark stored in ``metadata`` (stable across restarts)."""
+        """The query id Spark stored in ``metadata`` (stable across restarts; read once per
+        object: use :meth:`read_lineage` where a restore may just have rewritten it)."""
+        return self.read_lineage()
+
+    def read_lineage(self) -> str:
+        """The query id in ``metadata`` as it is now (CheckpointError when absent or corrupt)."""
         try:
             with self.fs.open(self._p("metadata"), "r") as f:
                 return json.loads(f.readline())["id"]

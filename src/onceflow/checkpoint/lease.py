@@ -35,8 +35,9 @@ import threading
 import time
 import uuid
 
+from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import ConfigError, DriverLeaseLapsed, FencedError
-from onceflow.storage import url_to_fs, write_whole
+from onceflow.storage import write_whole
 
 log = logging.getLogger("onceflow.lease")
 
@@ -54,13 +55,14 @@ def _pid_alive(pid: int) -> bool:
 class DriverLease:
     """Exclusive, renewable, epoch-numbered lease on a checkpoint directory."""
 
-    def __init__(self, checkpoint_url: str, job_name: str, ttl_s: float | None = None,
+    def __init__(self, checkpoint: CheckpointDir | str, job_name: str, ttl_s: float | None = None,
                  renew_s: float | None = None):
         ttl_s = float(os.environ.get("ONCEFLOW_LEASE_TTL_S", 30.0)) if ttl_s is None else ttl_s
         if renew_s is None:
             renew_s = float(os.environ.get("ONCEFLOW_LEASE_RENEW_S", ttl_s / 6))
-        self.url = f"{checkpoint_url.rstrip('/')}/_onceflow/lease"
-        self.fs, self.dir = url_to_fs(self.url)
+        ckpt = CheckpointDir.of(checkpoint)
+        self.url = f"{ckpt.url}/_onceflow/lease"
+        self.fs, self.dir = ckpt.fs, ckpt._p("_onceflow", "lease")
         self.job_name, self.ttl_s, self.renew_s = job_name, ttl_s, renew_s
         self.token = uuid.uuid4().hex
         self.epoch: int | None = None

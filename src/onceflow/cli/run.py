@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import sys
 
 import click
 
-from onceflow.cli.savepoint import restore_env_for_run, restore_options
 from onceflow.errors import OnceflowError
-from onceflow.runtime.driver import EXIT_CONFIG
-from onceflow.runtime.metrics import PORT_ENV as METRICS_PORT_ENV
-from onceflow.runtime.restart import parse
-from onceflow.runtime.supervisor import (
-    CHECKPOINT_ENV,
-    MASTER_ENV,
-    RESTART_STRATEGY_ENV,
-    Supervisor,
-    apply_overrides,
-)
-from onceflow.savepoint.operations import SAVEPOINT_DIR_ENV, SAVEPOINT_ON_STOP_ENV
-from onceflow.savepoint.restore import remove_if_only_onceflow
-from onceflow.spark import REMOTE_ENV, SPARK_CONF_ENV, cli_conf, parse_conf
-from onceflow.storage import url_to_fs
+from onceflow.runtime.launch import LaunchOptions, launch
+from onceflow.spark import parse_conf
 
 
 @click.command("run")
@@ -37,7 +22,14 @@ from onceflow.storage import url_to_fs
 )
 @click.option("--checkpoint", "checkpoint_url", metavar="URL",
               help="Override the job's checkpoint directory (any fsspec URL).")
-@restore_options  # --from-savepoint SP, --fork, --rescale N, --allow-non-restored-state
+@click.option("--from-savepoint", metavar="SP",
+              help="Restore savepoint SP into the (empty) checkpoint directory, then run.")
+@click.option("--fork", is_flag=True,
+              help="Run the restored savepoint under a new lineage (required to roll back).")
+@click.option("--rescale", type=int, metavar="N",
+              help="Repartition the restored state into N partitions (RocksDB state).")
+@click.option("--allow-non-restored-state", is_flag=True,
+              help="Drop savepoint state of operators the job no longer has.")
 @click.option("--savepoint-dir", metavar="URL",
               help="Where SIGTERM/Ctrl-C put the savepoint on stop (default: CHECKPOINT/../savepoints).")
 @click.option("--no-savepoint-on-stop", is_flag=True,
@@ -61,9 +53,9 @@ from onceflow.storage import url_to_fs
               "or lapse (it died, or hangs on another host) and then take over, instead of exiting.")
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
+        from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
-        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None,
-        **restore) -> None:
+        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -75,54 +67,15 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                             format="%(asctime)s supervisor %(levelname)s %(message)s")
-    from onceflow.runtime.loader import load_job
-
-    env = dict(os.environ)
     try:
-        spark_conf = parse_conf(conf)
-        if master and remote:
-            raise OnceflowError("--master and --remote contradict each other: a Spark Connect "
-                                "server has its own master; give one")
-        if remote and not remote.startswith("sc://"):
-            raise OnceflowError(f"--remote {remote!r}: give a Spark Connect URL, e.g. sc://host:15002")
-        override = parse(restart_spec) if restart_spec else None
-        job = load_job(target)
-        strategy = override or job.restart_strategy
-        url = checkpoint_url or job.checkpoint.directory
-        if not restore.get("from_savepoint"):  # a restore checks its (empty) target itself
-            from onceflow.runtime.runner import check_checkpoint_dir
-
-            check_checkpoint_dir(url)  # unwritable: one line now, not a traceback later
-        if checkpoint_url:
-            job = apply_overrides(job, {CHECKPOINT_ENV: checkpoint_url})
-        env.update(restore_env_for_run(url, **restore, job=job))  # restored by the driver before its query
-        if savepoint_dir and no_savepoint_on_stop:
-            raise OnceflowError("--savepoint-dir and --no-savepoint-on-stop contradict each other; give one")
+        options = LaunchOptions(
+            checkpoint=checkpoint_url, restart_strategy=restart_spec, from_savepoint=from_savepoint,
+            fork=fork, rescale=rescale, allow_non_restored_state=allow_non_restored_state,
+            savepoint_dir=savepoint_dir, savepoint_on_stop=not no_savepoint_on_stop, master=master,
+            remote=remote, conf=parse_conf(conf), metrics_port=metrics_port, standby=standby,
+            wait_for_lease=wait_for_lease)
+        rc = launch(target, options)
     except OnceflowError as e:
         click.echo(f"error: {e}", err=True)
         ctx.exit(2)
-    if restart_spec:
-        env[RESTART_STRATEGY_ENV] = strategy.describe()
-    if checkpoint_url:
-        env[CHECKPOINT_ENV] = checkpoint_url
-    env[SAVEPOINT_ON_STOP_ENV] = "0" if no_savepoint_on_stop else "1"
-    if master:
-        env[MASTER_ENV] = master
-    if remote:
-        env[REMOTE_ENV] = remote
-    if metrics_port:
-        env[METRICS_PORT_ENV] = str(metrics_port)
-    if spark_conf:
-        env[SPARK_CONF_ENV] = json.dumps({**cli_conf(), **spark_conf})
-    if wait_for_lease:
-        env["ONCEFLOW_LEASE_WAIT_S"] = str(wait_for_lease)
-    if savepoint_dir:
-        env[SAVEPOINT_DIR_ENV] = savepoint_dir if "://" in savepoint_dir else os.path.abspath(savepoint_dir)
-    fs, path = url_to_fs(url)
-    absent = not fs.exists(path)
-    rc = Supervisor(target, strategy, url, env=env, standby=standby).run()
-    if restore.get("from_savepoint") and rc == EXIT_CONFIG and absent and remove_if_only_onceflow(url):
-        logging.getLogger("onceflow.supervisor").info(
-            "the restore was refused; removed %s, which this run had created", url)
     ctx.exit(rc)
-

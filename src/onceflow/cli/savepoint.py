@@ -10,7 +10,7 @@ import time
 
 import click
 
-from onceflow.savepoint.manifest import Manifest, SavepointError
+from onceflow.savepoint.manifest import Manifest
 
 
 def _logging() -> None:
@@ -162,34 +162,3 @@ def stop(checkpoint_dir: str, target: str | None, timeout: float) -> None:
     url, m = stop_with_savepoint(checkpoint_dir, target or None, timeout)
     click.echo("stopped")
     click.echo(f"savepoint {url}: job {m.job}, batch {m.batch}, {len(m.files)} files, {_size(m.total_bytes)}")
-
-
-# ---- onceflow run --from-savepoint ... -----------------------------------------------------
-
-
-def restore_options(f):
-    """The savepoint options of ``onceflow run``."""
-    f = click.option("--allow-non-restored-state", is_flag=True,
-                     help="Drop savepoint state of operators the job no longer has.")(f)
-    f = click.option("--rescale", type=int, metavar="N",
-                     help="Repartition the restored state into N partitions (RocksDB state).")(f)
-    f = click.option("--fork", is_flag=True,
-                     help="Run the restored savepoint under a new lineage (required to roll back).")(f)
-    f = click.option("--from-savepoint", metavar="SP",
-                     help="Restore savepoint SP into the (empty) checkpoint directory, then run.")(f)
-    return f
-
-
-def restore_env_for_run(checkpoint_url: str, from_savepoint: str | None, fork: bool,
-                        rescale: int | None, allow_non_restored_state: bool, job=None) -> dict[str, str]:
-    """Validate the options without Spark and without writing anything (manifest, files,
-    empty target, --rescale, and with ``job`` the roll back check against its sink), and
-    return the driver's environment additions. The driver checks the operators."""
-    from onceflow.savepoint.restore import RestoreRequest, restore_env
-
-    if not from_savepoint:
-        if fork or rescale is not None or allow_non_restored_state:
-            raise SavepointError("--fork, --rescale and --allow-non-restored-state need --from-savepoint SP")
-        return {}
-    RestoreRequest(from_savepoint, fork, rescale, allow_non_restored_state).check(checkpoint_url, job=job)
-    return restore_env(from_savepoint, fork, rescale, allow_non_restored_state)

@@ -84,8 +84,8 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     nothing (prepared transaction, orphan file) was left dangling.
     """
     from onceflow.verify import report
-    from onceflow.verify.harness import Harness, Options
-    from onceflow.verify.spec import VerifySpec
+    from onceflow.verify.harness import Harness
+    from onceflow.verify.spec import Options, VerifySpec
 
     console = Console(stderr=json_out == "-")
     kinds = [k.strip() for k in faults.split(",") if k.strip()]

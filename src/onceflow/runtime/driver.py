@@ -27,11 +27,25 @@ import sys
 import threading
 import time
 
-from onceflow.errors import FencedError, JvmDied, OnceflowError
-from onceflow.runtime.standby import GO_ENV
-
-EXIT_OK, EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED, EXIT_FENCED = 0, 2, 3, 4, 5
-EXIT_CRASHED, EXIT_JVM_DIED = 1, 70
+from onceflow.errors import (
+    EXIT_CONFIG,
+    EXIT_CRASHED,
+    EXIT_FENCED,
+    EXIT_GAVE_UP,
+    EXIT_JVM_DIED,
+    EXIT_OK,
+    EXIT_SAVEPOINT_FAILED,
+    FencedError,
+    GaveUp,
+    JvmDied,
+    OnceflowError,
+)
+from onceflow.runtime.launch import apply_overrides, restore_from_env, run_in_process
+from onceflow.runtime.loader import load_job
+from onceflow.runtime.metrics import PORT_ENV, serve
+from onceflow.runtime.standby import GO_ENV, mark_ready, wait_for_go, warm_up
+from onceflow.savepoint.operations import savepoint_on_stop, stop_requested
+from onceflow.spark import get_spark
 
 
 def watch_jvm(interval: float = 0.5) -> threading.Thread:
@@ -63,8 +77,6 @@ def watch_stop_request(checkpoint_url: str, stop: threading.Event, waiting: list
 
     A waiting standby ignores it (it is not running the job); the request stays for the
     driver that runs it, which consumes it when it stops (savepoint or not, as requested)."""
-    from onceflow.savepoint.operations import stop_requested
-
     log = logging.getLogger("onceflow.driver")
 
     def run() -> None:
@@ -96,10 +108,6 @@ def _main(argv: list[str], done: threading.Event) -> int:
         print("usage: python -m onceflow.runtime.driver path/to/job.py[:name]", file=sys.stderr)
         return EXIT_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(levelname)s %(message)s")
-    from onceflow.runtime.loader import load_job
-    from onceflow.runtime.runner import GaveUp
-    from onceflow.runtime.supervisor import apply_overrides
-
     stop = threading.Event()
     waiting_standby = [bool(os.environ.get(GO_ENV))]  # not promoted yet: nothing to finish
 
@@ -116,8 +124,6 @@ def _main(argv: list[str], done: threading.Event) -> int:
     started = time.time()
     watch_jvm()
     try:
-        from onceflow.savepoint.restore import restore_options_from_env
-
         job = apply_overrides(load_job(argv[0]))
         watch_stop_request(job.checkpoint.directory, stop, waiting_standby, done)
         go = os.environ.get(GO_ENV)
@@ -127,10 +133,10 @@ def _main(argv: list[str], done: threading.Event) -> int:
                 return EXIT_OK
             waiting_standby[0] = False
             _serve_metrics(job, started)
-            job.run(spark=spark, stop=stop, takeover=True, **restore_options_from_env(os.environ))
+            run_in_process(job, spark, stop, restore=restore_from_env(), takeover=True)
         else:
             _serve_metrics(job, started)
-            job.run(stop=stop, **restore_options_from_env(os.environ))
+            run_in_process(job, stop=stop, restore=restore_from_env())
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP
@@ -150,8 +156,6 @@ def _main(argv: list[str], done: threading.Event) -> int:
 
 def _serve_metrics(job, started: float) -> None:
     """``onceflow run --metrics-port N``: serve Prometheus metrics while this driver is active."""
-    from onceflow.runtime.metrics import PORT_ENV, serve
-
     port = os.environ.get(PORT_ENV)
     if not port:
         return
@@ -165,9 +169,6 @@ def _serve_metrics(job, started: float) -> None:
 
 def _standby(job, go: str, stop: threading.Event):
     """Warm up, then wait for the go file: the warm SparkSession, or None when stopped first."""
-    from onceflow.runtime.standby import mark_ready, wait_for_go, warm_up
-    from onceflow.spark import get_spark
-
     log = logging.getLogger("onceflow.driver")
     spark = get_spark(job.master, job.name, {**job.checkpoint.spark_conf(), **job.spark_conf}, job.remote)
     warm_s = warm_up(spark, job, go)
@@ -180,8 +181,6 @@ def _standby(job, go: str, stop: threading.Event):
 
 
 def _savepoint_on_stop(checkpoint_url: str, job_name: str, started: float) -> int:
-    from onceflow.savepoint.operations import savepoint_on_stop
-
     try:
         taken = savepoint_on_stop(checkpoint_url, job_name, started)
     except Exception as e:  # noqa: BLE001 - any failure: the stop did not do what was asked

@@ -7,12 +7,11 @@ import os
 import sys
 
 from onceflow.errors import ConfigError
+from onceflow.runtime.spec import JobSpec
 
 
-def load_job(target: str):
+def load_job(target: str) -> JobSpec:
     """Import the file and return its Job (``:name``, else ``job``, else the only Job)."""
-    from onceflow.job import Job
-
     path, _, name = target.partition(":")
     if not os.path.isfile(path):
         raise ConfigError(f"job file {path!r} not found; give path/to/job.py[:variable]")
@@ -35,10 +34,10 @@ def load_job(target: str):
         raise ConfigError(f"importing {path} failed: {type(e).__name__}: {e}") from e
     if name:
         job = getattr(module, name, None)
-        if not isinstance(job, Job):
+        if not isinstance(job, JobSpec):
             raise ConfigError(f"{path} has no Job named {name!r}")
         return job
-    jobs = {k: v for k, v in vars(module).items() if isinstance(v, Job)}
+    jobs = {k: v for k, v in vars(module).items() if isinstance(v, JobSpec)}
     if "job" in jobs:
         return jobs["job"]
     if len(jobs) == 1:

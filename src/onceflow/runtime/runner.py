@@ -34,24 +34,20 @@ from onceflow.errors import (
     CheckpointError,
     ConfigError,
     FencedError,
+    GaveUp,
     JvmDied,
     OnceflowError,
 )
-from onceflow.runtime.context import RestoreContext, checkpoint_context
-from onceflow.spark import is_connect, query_conf
-from onceflow.storage import url_to_fs
+from onceflow.savepoint.context import RestoreContext, checkpoint_context
+from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
 if TYPE_CHECKING:
-    from onceflow.job import Job
+    from onceflow.runtime.spec import JobSpec
 
 log = logging.getLogger("onceflow.runner")
 
 # Held while one job sets the session conf its source reads and builds that source.
 _SOURCE_LOCK = threading.Lock()
-
-
-class GaveUp(OnceflowError):
-    """The restart strategy gave up after repeated query failures."""
 
 
 class BatchTimeout(OnceflowError):
@@ -87,19 +83,21 @@ def ensure_lineage(ckpt: CheckpointDir) -> str:
         ckpt.fs.makedirs(ckpt.path, exist_ok=True)
         with ckpt.fs.open(ckpt._p("metadata"), "w") as f:
             f.write(json.dumps({"id": str(uuid.uuid4())}, separators=(",", ":")))
-    return ckpt.lineage
+    return ckpt.read_lineage()
 
 
-def check_checkpoint_dir(url: str, wait_for_space: bool = False) -> None:
+def check_checkpoint_dir(checkpoint: CheckpointDir | str, wait_for_space: bool = False) -> None:
     """The checkpoint directory must be creatable and writable; fail early if not.
 
     ``wait_for_space``: a full filesystem (ENOSPC, EDQUOT) is an outage, not an error: wait
     (logging every 30 s) until a write succeeds again.
     """
+    ckpt = CheckpointDir.of(checkpoint)
+    url = ckpt.url
     said = float("-inf")
     while True:
         try:
-            _probe_write(url)
+            _probe_write(ckpt)
             break
         except OSError as e:
             if not (wait_for_space and e.errno in (errno.ENOSPC, errno.EDQUOT)):
@@ -111,14 +109,13 @@ def check_checkpoint_dir(url: str, wait_for_space: bool = False) -> None:
                 said = time.monotonic()
                 log.warning("checkpoint filesystem of %s is full (%s); waiting for space", url, e.strerror)
             time.sleep(1.0)
-    ckpt = CheckpointDir(url)
     if ckpt.fs.exists(ckpt._p("metadata")):
-        _ = ckpt.lineage  # raises CheckpointError when corrupt
+        ckpt.read_lineage()  # raises CheckpointError when corrupt
 
 
-def _probe_write(url: str) -> None:
+def _probe_write(ckpt: CheckpointDir) -> None:
+    url, fs, path = ckpt.url, ckpt.fs, ckpt.path
     try:
-        fs, path = url_to_fs(url)
         fs.makedirs(path, exist_ok=True)
         probe = f"{path}/_onceflow/.probe-{uuid.uuid4().hex[:8]}"
         fs.makedirs(probe.rsplit("/", 1)[0], exist_ok=True)
@@ -136,25 +133,26 @@ def _probe_write(url: str) -> None:
 class JobRunner:
     """Runs one Job until its source is exhausted, a stop is requested, or restarts run out."""
 
-    def __init__(self, job: Job, spark=None, stop: threading.Event | None = None, restore=None,
-                 takeover: bool = False):
+    def __init__(self, job: JobSpec, spark=None, stop: threading.Event | None = None, restore=None,
+                 takeover: bool = False, checkpoint: CheckpointDir | None = None):
         self.job = job
         self.takeover = takeover
         self.restore = restore  # a savepoint.RestoreRequest, applied before the first query
         self.spark = spark
         self.stop = stop or threading.Event()
-        self.url = job.checkpoint.directory.rstrip("/")
-        self.events = EventLog(self.url)
+        self.ckpt = checkpoint or CheckpointDir(job.checkpoint.directory)
+        self.url = self.ckpt.url
+        self.events = EventLog(self.ckpt)
         self._restored_now, self._attempt = False, 0  # for context(), set again by run()
 
     # ---- public ------------------------------------------------------------------------
 
     def run(self) -> None:
         job = self.job
-        check_checkpoint_dir(self.url, wait_for_space=True)
+        check_checkpoint_dir(self.ckpt, wait_for_space=True)
         with ExitStack() as stack:
             t0 = time.time()
-            lease, spark = DriverLease(self.url, job.name), self.spark
+            lease, spark = DriverLease(self.ckpt, job.name), self.spark
             if spark is None and float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0)) > 0 and lease.holder():
                 spark = self._spark()  # waiting for another host's lease: start Spark meanwhile
             spark_s = time.time() - t0
@@ -217,8 +215,7 @@ class JobRunner:
     def _waiting(self) -> str:
         """What a restart leaves waiting: the batch planned but not committed, if any."""
         try:
-            ckpt = CheckpointDir(self.url)
-            planned, done = ckpt.offset_batches(), ckpt.last_committed()
+            planned, done = self.ckpt.offset_batches(), self.ckpt.last_committed()
         except (OSError, OnceflowError):
             return "the job waits"
         if planned and (done is None or planned[-1] > done):
@@ -243,17 +240,13 @@ class JobRunner:
 
     def context(self) -> RestoreContext:
         """How the query about to start was started (given to the job's source and transform)."""
-        return checkpoint_context(self.url, restored_now=self._restored_now, attempt=self._attempt)
+        return checkpoint_context(self.ckpt, restored_now=self._restored_now, attempt=self._attempt)
 
     def _spark(self):
-        from onceflow.spark import get_spark
-
         conf = {**self.job.checkpoint.spark_conf(), **self.job.spark_conf}
         return get_spark(self.job.master, self.job.name, conf, self.job.remote)
 
     def _build(self, spark):
-        from onceflow.spark import cli_conf, register_all
-
         register_all(spark)
         job = self.job
         for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf, **cli_conf()}.items():
@@ -292,7 +285,7 @@ class JobRunner:
             )
         t0 = time.time()
         writer, source = self._build(spark)
-        lineage = ensure_lineage(CheckpointDir(self.url))
+        lineage = ensure_lineage(self.ckpt)
         t1 = time.time()
         epoch = source.open(lineage)  # new fencing epoch + recovery; SinkError while unreachable
         t2 = time.time()

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING
 from onceflow.spark import is_connect
 
 if TYPE_CHECKING:
-    from onceflow.job import Job
+    from onceflow.runtime.spec import JobSpec
 
 log = logging.getLogger("onceflow.standby")
 
 GO_ENV = "ONCEFLOW_STANDBY_GO"
 
 
-def _modules(job: Job) -> list[str]:
+def _modules(job: JobSpec) -> list[str]:
     """Modules the job's tasks will import: its sink's and onceflow's data sources."""
     mods = {type(job.sink).__module__, "onceflow.sinks.base", "onceflow.sources.sequence"}
     try:
@@ -72,7 +72,7 @@ def warm_query(spark, tmp: str):
             .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
 
 
-def warm_up(spark, job: Job, go: str | None = None) -> float:
+def warm_up(spark, job: JobSpec, go: str | None = None) -> float:
     """Start what the first batch of a takeover would otherwise wait for; returns seconds.
 
     One streaming micro-batch (:func:`warm_query`), then one task per core that imports the job's sink

@@ -50,33 +50,25 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from onceflow.checkpoint.eventlog import EventLog
+from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
-from onceflow.procfs import stat_fields
-from onceflow.runtime.driver import (
+from onceflow.errors import (
     EXIT_CONFIG,
     EXIT_FENCED,
+    EXIT_FORCED,
     EXIT_GAVE_UP,
     EXIT_OK,
     EXIT_SAVEPOINT_FAILED,
 )
-from onceflow.runtime.restart import RestartStrategy, parse
+from onceflow.process import group_members, group_rss_mb, start_time
+from onceflow.runtime.restart import RestartStrategy
 from onceflow.runtime.standby import GO_ENV
-from onceflow.spark import REMOTE_ENV
-
-if TYPE_CHECKING:
-    from onceflow.job import Job
 
 log = logging.getLogger("onceflow.supervisor")
 
-EXIT_FORCED = 130  # stopped by a second SIGINT: the in-flight batch was abandoned (replayed next run)
 PGID_ENV = "ONCEFLOW_DRIVER_PGID"
-# ``onceflow run --checkpoint/--restart-strategy`` pass their overrides to the driver here.
-CHECKPOINT_ENV = "ONCEFLOW_CHECKPOINT"
-RESTART_STRATEGY_ENV = "ONCEFLOW_RESTART_STRATEGY"
-MASTER_ENV = "ONCEFLOW_MASTER"  # onceflow run --master
 # With start_new_session the shell's pid is the new group's id; exec keeps that pid.
 _LAUNCH = ["/bin/sh", "-c", f'{PGID_ENV}=$$; export {PGID_ENV}; exec "$@"', "onceflow-driver"]
 
@@ -89,58 +81,6 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with code {returncode}"
-
-
-def group_members(pgid: int) -> list[int] | None:
-    """Live (non-zombie) pids in process group ``pgid``; None where /proc is unavailable."""
-    if not os.path.isdir("/proc/self"):
-        return None
-    pids = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        fields = stat_fields(name)
-        if fields is None:
-            continue  # exited meanwhile
-        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            pids.append(int(name))
-    return pids
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22); None when
-    unknown. Together with the host it tells a live process from a reused pid."""
-    fields = stat_fields(pid)
-    try:
-        return int(fields[19]) if fields else None
-    except (ValueError, IndexError):
-        return None
-
-
-def apply_overrides(job: Job, environ: Mapping[str, str] | None = None) -> Job:
-    """Apply the ``onceflow run`` overrides found in ``environ`` to ``job`` (for the driver)."""
-    environ = os.environ if environ is None else environ
-    if environ.get(CHECKPOINT_ENV):
-        job.checkpoint = dataclasses.replace(job.checkpoint, directory=environ[CHECKPOINT_ENV])
-    if environ.get(RESTART_STRATEGY_ENV):
-        job.restart_strategy = parse(environ[RESTART_STRATEGY_ENV])
-    if environ.get(MASTER_ENV):
-        job.master = environ[MASTER_ENV]
-    if environ.get(REMOTE_ENV):
-        job.remote = environ[REMOTE_ENV]
-    return job
-
-
-def group_rss_mb(pgid: int) -> int:
-    """Resident memory of process group ``pgid`` in MB (0 where /proc is unavailable)."""
-    total = 0
-    for pid in group_members(pgid) or []:
-        try:
-            with open(f"/proc/{pid}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        except (OSError, ValueError, IndexError):
-            continue
-    return total // 2**20
 
 
 @dataclasses.dataclass
@@ -175,7 +115,7 @@ class Supervisor:
         self,
         target: str,
         strategy: RestartStrategy,
-        checkpoint_url: str,
+        checkpoint: CheckpointDir | str,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         *,
@@ -189,8 +129,8 @@ class Supervisor:
         self.extra_args, self.env = tuple(extra_args), env
         self.child_cmd = tuple(child_cmd) if child_cmd else None
         self.stop_timeout, self.poll_interval = stop_timeout, poll_interval
-        self.events = EventLog(checkpoint_url)
-        self.checkpoint_url = checkpoint_url
+        self.checkpoint = CheckpointDir.of(checkpoint)
+        self.events = EventLog(self.checkpoint)
         self._proc: subprocess.Popen | None = None
         self._proc_done = False  # the driver has exited (its pid may be reaped any moment)
         self._stop_signal: str | None = None
@@ -249,7 +189,7 @@ class Supervisor:
                 self.events.append("stop", reason=reason, exit_code=rc, scope="process")
                 return rc
             if rc == EXIT_FENCED:
-                holder = DriverLease(self.checkpoint_url, "onceflow-supervisor").holder()
+                holder = DriverLease(self.checkpoint, "onceflow-supervisor").holder()
                 if holder is not None:
                     log.error("driver was fenced: pid %s on %s holds the lineage now; not "
                               "restarting", holder.get("pid"), holder.get("host"))
@@ -280,7 +220,7 @@ class Supervisor:
         self._log_offset = self.events.size()
         log.info("driver started: pid %d, attempt %d: %s", proc.pid, attempt, " ".join(cmd))
         self.events.append("process_start", attempt=attempt, pid=proc.pid, host=socket.gethostname(),
-                           supervisor_pid=os.getpid(), supervisor_started=process_start_time(os.getpid()),
+                           supervisor_pid=os.getpid(), supervisor_started=start_time(os.getpid()),
                            scope="process")
         if self._stop_signal is not None:  # a stop arrived while starting
             self._forward_stop()
@@ -420,7 +360,7 @@ class Supervisor:
         log.info("standby driver pid %d promoted (attempt %d, %s)", sb.proc.pid, attempt,
                  f"warm; its warm-up took {warm.get('warm_s')} s" if warm else "still warming up")
         self.events.append("process_start", attempt=attempt, pid=sb.proc.pid, host=socket.gethostname(),
-                           supervisor_pid=os.getpid(), supervisor_started=process_start_time(os.getpid()),
+                           supervisor_pid=os.getpid(), supervisor_started=start_time(os.getpid()),
                            standby=True, warm=warm is not None, scope="process")
         if self._stop_signal is not None:
             self._forward_stop()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.process import start_time
 from onceflow.savepoint.create import (
     create_savepoint,
     default_savepoint_dir,
@@ -123,12 +124,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _start_time(pid: int) -> int | None:
-    from onceflow.runtime.supervisor import process_start_time
-
-    return process_start_time(pid)
-
-
 def _supervisor(events: list[dict]) -> tuple[dict | None, float]:
     """(latest ``process_start`` not followed by a process ``stop``, its ts)."""
     start, ts = None, 0.0
@@ -154,8 +149,8 @@ def _live_supervisor(url: str, start: dict | None) -> int | None:
         return None
     if host != socket.gethostname() or not _alive(pid):
         return None
-    recorded, now = start.get("supervisor_started"), _start_time(pid)
-    if recorded is not None and now is not None and int(recorded) != now:
+    recorded, now = start.get("supervisor_started"), start_time(pid)
+    if recorded is not None and now is not None and round(float(recorded), 2) != now:
         log.info("pid %d of the recorded supervisor now belongs to another process; not signalling", pid)
         return None
     return pid

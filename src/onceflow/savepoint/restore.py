@@ -28,21 +28,29 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
 from onceflow.checkpoint.layout import CheckpointDir
-from onceflow.runtime.context import RestoreContext
+from onceflow.savepoint.context import MARKER, RestoreContext, read_marker
 from onceflow.savepoint.manifest import DATA_DIR, Manifest, SavepointError, read_manifest
 from onceflow.savepoint.transfer import Copied, copy_tree
 from onceflow.storage import url_to_fs
 
 if TYPE_CHECKING:
-    from onceflow.job import Job
+    from onceflow.sinks.base import Sink
+
+
+class Job(Protocol):
+    """What a restore checks of the job it restores for (``onceflow.Job`` is one): the
+    operators of its plan and its sink's decisions."""
+
+    sink: Sink
+
+    def dataframe(self, spark: Any, context: RestoreContext | None = None) -> Any: ...
 
 log = logging.getLogger("onceflow.savepoint")
 
-MARKER = f"{EVENTS_DIR}/restore.json"
 # ``onceflow run --from-savepoint/--fork/--rescale/--allow-non-restored-state`` -> the driver.
 RESTORE_ENV = {
     "from_savepoint": "ONCEFLOW_FROM_SAVEPOINT",
@@ -150,7 +158,7 @@ class RestoreRequest:
         sp_id = f"{manifest.lineage}:{manifest.batch}:{manifest.created}"
         target = CheckpointDir(checkpoint_url)
         fs, root = target.fs, target.path.rstrip("/")
-        previous = _read_marker(fs, f"{root}/{MARKER}")
+        previous = read_marker(fs, f"{root}/{MARKER}")
         if previous and previous.get("id") == sp_id and previous.get("status") == "done":
             return manifest, "already_restored", None, [], previous
         if not (previous and previous.get("id") == sp_id and previous.get("status") == "in_progress"):
@@ -376,21 +384,6 @@ def _spark_version() -> str:
     from onceflow.savepoint.create import spark_version
 
     return spark_version()
-
-
-def restore_marker(checkpoint_url: str) -> dict | None:
-    """The completed restore record of a checkpoint (savepoint, mode, lineage, rescaled_to), if any."""
-    target = CheckpointDir(checkpoint_url)
-    marker = _read_marker(target.fs, f"{target.path.rstrip('/')}/{MARKER}")
-    return marker if marker and marker.get("status") == "done" else None
-
-
-def _read_marker(fs, path: str) -> dict | None:
-    try:
-        with fs.open(path, "r") as f:
-            return json.load(f)
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def _write_marker(fs, path: str, record: dict) -> None:

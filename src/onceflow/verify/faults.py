@@ -9,19 +9,41 @@ given options (no restart command for the database, no cluster executors, not ro
 from __future__ import annotations
 
 import os
+import random
 import shlex
 import shutil
 import signal
 import subprocess
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from onceflow.errors import ConfigError
 from onceflow.verify import procs
 
 if TYPE_CHECKING:
-    from onceflow.verify.harness import Harness
+    from onceflow.checkpoint.eventlog import EventLog
+    from onceflow.verify.spec import Options, VerifySpec
+
+
+class Harness(Protocol):
+    """What a fault acts on: the running verify (:class:`onceflow.verify.harness.Harness`)."""
+
+    spec: VerifySpec
+    options: Options
+    rng: random.Random
+    log: EventLog
+    slow_file: str
+    supervisors: list[subprocess.Popen]
+    anomalies: list[str]
+    settled: float | None
+
+    @property
+    def supervisor(self) -> subprocess.Popen: ...
+
+    def start_supervisor(self, host: str | None = None) -> subprocess.Popen: ...
+
+    def wait_commit(self, after: float, proc: subprocess.Popen, timeout: float = 180.0) -> bool: ...
 
 
 class Fault(ABC):

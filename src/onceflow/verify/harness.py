@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import psutil
 from rich.console import Console
@@ -32,28 +32,7 @@ from onceflow.verify import procs, setup
 from onceflow.verify.exactly_once import Report, check_events
 from onceflow.verify.faults import FAULTS, FaultMissed
 from onceflow.verify.readers import dangling, read_output
-from onceflow.verify.spec import VerifySpec
-
-
-@dataclass
-class Options:
-    """How faults are chosen and shaped (see ``onceflow verify --help``)."""
-
-    faults: list[str] = field(default_factory=lambda: ["driver_kill"])
-    count: int = 3
-    seed: int | None = None
-    gap: tuple[float, float] = (2.0, 6.0)
-    outage_s: float = 25.0
-    slow_s: float = 3.0
-    pg_stop: str | None = None
-    pg_start: str | None = None
-    broker_stop: str | None = None
-    broker_start: str | None = None
-    checkpoint_fs: str | None = None
-    lease_ttl_s: float = 6.0
-    recovery_timeout: float = 180.0
-    standby: bool = True
-    wait_standby: bool = True
+from onceflow.verify.spec import Options, VerifySpec
 
 
 @dataclass

@@ -14,15 +14,11 @@ import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from onceflow.errors import ConfigError
-from onceflow.verify.spec import VerifySpec, checksum, payload
-
-if TYPE_CHECKING:
-    from onceflow.verify.harness import Options
+from onceflow.verify.spec import Options, VerifySpec, checksum, payload
 
 
 @contextmanager

@@ -2,7 +2,7 @@
 decisions fenced by driver epochs.
 
 Kafka cannot hold a transaction open across producer sessions (no cross-session prepare in
-the client), so the two-phase commit of DESIGN.md section 3 maps onto Kafka like this:
+the client), so the two-phase commit of docs/protocol.md maps onto Kafka like this:
 
 * **epoch** (driver, when the sink opens): the driver's transactional producer
   ``onceflow-<sink_id>-<lineage>-driver`` calls ``init_transactions()``, which fences every

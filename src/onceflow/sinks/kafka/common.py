@@ -9,9 +9,19 @@ producer configuration librdkafka rejects is a :class:`~onceflow.errors.ConfigEr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
+
+from tenacity import (
+    RetryError,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_result,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_fixed,
+    wait_random,
+)
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.kafka_client import admin_client, error_text
@@ -107,13 +117,33 @@ def ensure_topic(conf: Mapping[str, Any], topic: str, timeout: float,
                 + (", " + ", ".join(f"{k}={v}" for k, v in sorted(settings.items())) if settings else "")
                 + ") or grant CreateTopics"
             ) from None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def partitions() -> int | None:
         try:
             md = admin.list_topics(topic, timeout=timeout).topics.get(topic)
         except KafkaException as e:
             raise unreachable(conf, timeout, e) from None
-        if md is not None and md.error is None and md.partitions:
-            return len(md.partitions)
-        time.sleep(0.1)
+        return len(md.partitions) if md is not None and md.error is None and md.partitions else None
+
+    try:  # a created topic shows up in the metadata a moment later
+        return Retrying(stop=stop_after_delay(timeout), wait=wait_fixed(0.1),
+                        retry=retry_if_result(lambda n: n is None), reraise=True)(partitions)
+    except RetryError:
+        pass
     raise SinkError(f"{FORMAT}: topic {topic} did not appear on {conf['bootstrap.servers']} within {timeout:g}s")
+
+
+#: attempts at a driver step whose producer another process of the same driver initialised
+FENCE_RETRIES = 4
+
+
+class Refenced(Exception):
+    """This driver's producer was initialised by another process of the same driver (no newer
+    epoch exists): the step is tried again with a fresh producer."""
+
+
+def fence_retries() -> Retrying:
+    """Up to :data:`FENCE_RETRIES` attempts of a step that raises :class:`Refenced`, a random
+    50-500 ms apart; the last Refenced is raised to the caller."""
+    return Retrying(stop=stop_after_attempt(FENCE_RETRIES), wait=wait_random(0.05, 0.5),
+                    retry=retry_if_exception_type(Refenced), reraise=True)

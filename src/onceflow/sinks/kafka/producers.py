@@ -18,15 +18,18 @@ Guarantees:
   already exist. The file is removed when the task is done, whatever happens.
 - :func:`produce_rows` produces every row of the Arrow batches and reports every delivery
   error; it never drops a row silently.
-- Transaction ends (``init_transactions``, :func:`commit`, :func:`abort_quietly`) take turns
-  per broker on this host when the sink serializes them (:mod:`~onceflow.sinks.kafka.turns`).
+- Transaction ends (``init_transactions``, :func:`commit`, :func:`abort_quietly`) run inside
+  the end guard registered for their broker (:func:`guard_ends`), if any: the tansu
+  workaround (:mod:`~onceflow.sinks.kafka.turns`) is one, installed only when the sink
+  serializes commits. Against a real broker no guard is registered and ends run as they are.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from pyspark.sql.types import StructType
@@ -34,7 +37,6 @@ from pyspark.sql.types import StructType
 from onceflow.errors import ConfigError, SinkError
 from onceflow.kafka_client import error_text
 from onceflow.sinks.kafka.common import FORMAT
-from onceflow.sinks.kafka.turns import ending
 
 _PRODUCERS: dict[str, Any] = {}
 #: (transactional id, epoch) -> producer of this process's driver incarnations
@@ -42,6 +44,19 @@ _DRIVERS: dict[tuple[str, int | None], Any] = {}
 #: txn id -> (batch, attempt) of the task attempt whose is_decided initialised its producer
 _FENCED: dict[str, tuple[int, int]] = {}
 _KNOWN_TOPICS: dict[tuple[str, str], bool] = {}
+#: bootstrap -> what each transaction end on that broker runs inside (see :func:`guard_ends`)
+_END_GUARDS: dict[str, Callable[[], AbstractContextManager[Any]]] = {}
+
+
+def guard_ends(bootstrap: str, guard: Callable[[], AbstractContextManager[Any]]) -> None:
+    """From now on, this process's transaction ends on ``bootstrap`` run inside ``guard()``."""
+    _END_GUARDS[bootstrap] = guard
+
+
+def ending(conf: Mapping[str, Any]) -> AbstractContextManager[Any]:
+    """The guard of a transaction end on ``conf``'s broker (none for most brokers)."""
+    guard = _END_GUARDS.get(conf["bootstrap.servers"])
+    return guard() if guard is not None else nullcontext()
 
 
 def _init(conf: Mapping[str, Any], txn_id: str, timeout: float):
@@ -106,7 +121,7 @@ def drop_driver(txn_id: str, epoch: int | None) -> None:
 
 
 def commit(conf: Mapping[str, Any], producer, timeout: float) -> None:
-    """Commit ``producer``'s transaction (in this host's turn when serialized: turns.py)."""
+    """Commit ``producer``'s transaction (inside its broker's end guard, if any)."""
     with ending(conf):
         producer.commit_transaction(timeout)
 

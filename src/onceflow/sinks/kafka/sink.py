@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +34,13 @@ from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fe
 from onceflow.sinks.kafka import producers as P
 from onceflow.sinks.kafka.common import (
     DEFAULT_TRANSACTION_TIMEOUT,
+    FENCE_RETRIES,
     FORMAT,
     GUARANTEES,
     MARKER_TOPIC,
     MODES,
+    Refenced,
+    fence_retries,
     reachable,
     seconds_option,
 )
@@ -61,7 +63,6 @@ log = logging.getLogger("onceflow.sinks.kafka")
 
 #: How often a driver step re-initialises its producer after being fenced with no newer
 #: epoch in the marker log (another process of the same driver initialised the id).
-_FENCE_RETRIES = 4
 
 
 class KafkaSinkDataSource(TwoPhaseCommitSink):
@@ -384,37 +385,43 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         the latest. at_least_once keeps no markers and fences nothing: epoch 0."""
         if self.mode != "exactly_once":
             return 0
-        from confluent_kafka import KafkaException
-
         lineage = self.opts.get("lineage") or lineage  # the lineage the writer will write under
         ensure_marker_topic(self.conf, self.marker_topic, min(self.timeout, 15))
         txn = self.driver_txn_id(lineage)
-        for attempt in range(_FENCE_RETRIES):
-            if attempt:
-                time.sleep(random.uniform(0.05, 0.5))
-            producer = P._init(self.conf, txn, self.timeout)  # fences older drivers, aborts their txn
-            try:
-                markers = self._refreshed(lineage, set())
-                epoch = (markers.latest_epoch(self.sink_id, lineage) or 0) + 1
-                producer.begin_transaction()
-                self._produce_marker(producer, lineage, epoch_key(self.sink_id, lineage, epoch), {
-                    "type": "epoch", "sink": self.sink_id, "lineage": lineage, "epoch": epoch,
-                    "txn": txn, "at": round(time.time(), 3)})
-                P.commit(self.conf, producer, self.timeout)
-            except KafkaException as e:
-                P.abort_quietly(self.conf, producer, txn, self.timeout)
-                if is_fenced(e):
-                    log.warning("%s: another driver of lineage %s initialised %s while this one was "
-                                "taking an epoch; trying again", FORMAT, lineage, txn)
-                    continue
-                raise SinkError(f"{FORMAT}: taking a fencing epoch for lineage {lineage} failed: "
-                                f"{error_text(e, self.conf)}") from None
-            P.keep_driver(txn, epoch, producer)
-            log.info("%s: sink %s lineage %s: this driver holds epoch %d", FORMAT, self.sink_id, lineage, epoch)
-            return epoch
-        raise SinkError(f"{FORMAT}: could not take a fencing epoch for lineage {lineage}: the driver id "
-                        f"{txn} was initialised by another process {_FENCE_RETRIES} times in a row "
-                        "(another driver of this lineage is opening the sink right now)")
+        try:
+            for attempt in fence_retries():
+                with attempt:
+                    return self._take_epoch(lineage, txn)
+        except Refenced:
+            raise SinkError(f"{FORMAT}: could not take a fencing epoch for lineage {lineage}: the "
+                            f"driver id {txn} was initialised by another process {FENCE_RETRIES} "
+                            "times in a row (another driver of this lineage is opening the sink "
+                            "right now)") from None
+        raise AssertionError("unreachable")
+
+    def _take_epoch(self, lineage: str, txn: str) -> int:
+        from confluent_kafka import KafkaException
+
+        producer = P._init(self.conf, txn, self.timeout)  # fences older drivers, aborts their txn
+        try:
+            markers = self._refreshed(lineage, set())
+            epoch = (markers.latest_epoch(self.sink_id, lineage) or 0) + 1
+            producer.begin_transaction()
+            self._produce_marker(producer, lineage, epoch_key(self.sink_id, lineage, epoch), {
+                "type": "epoch", "sink": self.sink_id, "lineage": lineage, "epoch": epoch,
+                "txn": txn, "at": round(time.time(), 3)})
+            P.commit(self.conf, producer, self.timeout)
+        except KafkaException as e:
+            P.abort_quietly(self.conf, producer, txn, self.timeout)
+            if is_fenced(e):
+                log.warning("%s: another driver of lineage %s initialised %s while this one was "
+                            "taking an epoch; trying again", FORMAT, lineage, txn)
+                raise Refenced() from None
+            raise SinkError(f"{FORMAT}: taking a fencing epoch for lineage {lineage} failed: "
+                            f"{error_text(e, self.conf)}") from None
+        P.keep_driver(txn, epoch, producer)
+        log.info("%s: sink %s lineage %s: this driver holds epoch %d", FORMAT, self.sink_id, lineage, epoch)
+        return epoch
 
     def _as_decision(self, lineage: str, batch_id: int, d: Mapping[str, Any]) -> Decision:
         return Decision(lineage, batch_id, d.get("fingerprint", "unknown"), d.get("handles", []), d.get("epoch"))
@@ -454,8 +461,6 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
     def decide(self, decision: Decision, schema: StructType, overwrite: bool) -> None:
         if self.mode != "exactly_once":
             return
-        from confluent_kafka import KafkaException
-
         lineage, batch = decision.lineage, decision.batch_id
         mine = decision.epoch if decision.epoch is not None else self.epoch
         txn = self.driver_txn_id(lineage)
@@ -464,33 +469,43 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         marker = {"type": "decision", "sink": self.sink_id, "lineage": lineage, "batch": batch,
                   "fingerprint": decision.fingerprint, "handles": decision.handles, "epoch": mine,
                   "txn": txn}
-        for attempt in range(_FENCE_RETRIES):
-            producer, initialised = P.driver_producer(self.conf, txn, mine, self.timeout, fresh=attempt > 0)
-            try:
-                # The read that counts happens after this producer's init_transactions: any
-                # newer epoch committed later fences this producer, so its commit below fails.
-                if initialised and self._decidable(decision, mine):
-                    return
-                producer.begin_transaction()
-                self._produce_marker(producer, lineage, decision_key(self.sink_id, lineage, batch, mine), marker)
-                P.commit(self.conf, producer, self.timeout)
+        try:
+            for attempt in fence_retries():
+                with attempt:
+                    fresh = attempt.retry_state.attempt_number > 1
+                    return self._record_decision(decision, mine, txn, marker, fresh)
+        except Refenced:
+            raise FencedError(f"{FORMAT}: the decision for batch {batch} of lineage {lineage} was "
+                              f"refused: the driver producer {txn} was fenced {FENCE_RETRIES} times "
+                              "by another producer with the same id; nothing was written. Is a "
+                              "second driver of this lineage running?") from None
+
+    def _record_decision(self, decision: Decision, mine: int, txn: str, marker: dict, fresh: bool) -> None:
+        from confluent_kafka import KafkaException
+
+        lineage, batch = decision.lineage, decision.batch_id
+        producer, initialised = P.driver_producer(self.conf, txn, mine, self.timeout, fresh=fresh)
+        try:
+            # The read that counts happens after this producer's init_transactions: any
+            # newer epoch committed later fences this producer, so its commit below fails.
+            if initialised and self._decidable(decision, mine):
                 return
-            except KafkaException as e:
-                P.abort_quietly(self.conf, producer, txn, self.timeout)
-                P.drop_driver(txn, mine)
-                if not is_fenced(e):
-                    raise SinkError(f"{FORMAT}: recording the decision for batch {batch} failed "
-                                    f"({error_text(e, self.conf)}); the batch is replayed after the "
-                                    "restart and its committed partitions are skipped") from None
-                if self._decidable(decision, mine):  # FencedError when a newer epoch opened
-                    return
-                log.warning("%s: driver producer %s was fenced but no newer epoch than %s exists "
-                            "(another process of this driver initialised it); trying again",
-                            FORMAT, txn, mine)
-        raise FencedError(f"{FORMAT}: the decision for batch {batch} of lineage {lineage} was refused: "
-                          f"the driver producer {txn} was fenced {_FENCE_RETRIES} times by another "
-                          "producer with the same id; nothing was written. Is a second driver of this "
-                          "lineage running?")
+            producer.begin_transaction()
+            self._produce_marker(producer, lineage, decision_key(self.sink_id, lineage, batch, mine), marker)
+            P.commit(self.conf, producer, self.timeout)
+        except KafkaException as e:
+            P.abort_quietly(self.conf, producer, txn, self.timeout)
+            P.drop_driver(txn, mine)
+            if not is_fenced(e):
+                raise SinkError(f"{FORMAT}: recording the decision for batch {batch} failed "
+                                f"({error_text(e, self.conf)}); the batch is replayed after the "
+                                "restart and its committed partitions are skipped") from None
+            if self._decidable(decision, mine):  # FencedError when a newer epoch opened
+                return
+            log.warning("%s: driver producer %s was fenced but no newer epoch than %s exists "
+                        "(another process of this driver initialised it); trying again",
+                        FORMAT, txn, mine)
+            raise Refenced() from None
 
     def commit(self, decision: Decision) -> None:
         """Nothing to do: each partition became visible when its task's transaction committed."""

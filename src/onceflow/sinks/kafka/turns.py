@@ -10,10 +10,12 @@ partition's last stable offset stops for good: every marker read times out. Kafk
 no such coupling. ``benchmarks/tansu_wedge.py`` reproduces it: four producers that commit at
 once wedged the partition in 2 of 3 rounds of 40 batches, and never when their ends took turns.
 
+Isolated from the producers' code path: :func:`serialize` registers :func:`ending` as the end
+guard of one broker (:func:`onceflow.sinks.kafka.producers.guard_ends`); a sink on a broker
+that passed the probe never calls it, and its transaction ends run unguarded.
+
 Guarantees of :func:`ending`:
-- with the broker not serialized (the default on a broker that passed the probe) it does
-  nothing;
-- otherwise, transaction ends of this host's processes and threads on that broker
+- transaction ends of this host's processes and threads on that broker
   (``init_transactions``, which aborts an older attempt's open transaction, ``commit``,
   ``abort``) run one at a time, under a file lock in the temporary directory;
 - it never blocks for good: a holder that dies releases the lock with its file descriptor, a
@@ -29,21 +31,19 @@ import hashlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
-from onceflow.procfs import stat_fields
+from onceflow.process import is_stopped
+from onceflow.sinks.kafka.producers import guard_ends
 
-#: bootstrap strings whose transaction ends this process takes turns for
-_SERIAL: set[str] = set()
 #: the longest an end waits for its turn before it goes ahead alone
 TURN_WAIT_S = 5.0
 
 
 def serialize(bootstrap: str) -> None:
     """From now on, this process's transaction ends on ``bootstrap`` take turns."""
-    _SERIAL.add(bootstrap)
+    guard_ends(bootstrap, lambda: ending(bootstrap))
 
 
 def lock_path(bootstrap: str) -> str:
@@ -52,12 +52,8 @@ def lock_path(bootstrap: str) -> str:
 
 
 @contextmanager
-def ending(conf: Mapping[str, Any]) -> Iterator[None]:
-    """Hold this host's turn to end a transaction on ``conf``'s broker (see module doc)."""
-    bootstrap = conf["bootstrap.servers"]
-    if bootstrap not in _SERIAL:
-        yield
-        return
+def ending(bootstrap: str) -> Iterator[None]:
+    """Hold this host's turn to end a transaction on ``bootstrap`` (see module doc)."""
     try:
         fd = os.open(lock_path(bootstrap), os.O_RDWR | os.O_CREAT, 0o666)
     except OSError:  # another user's lock file, a read-only /tmp: go ahead alone
@@ -82,7 +78,7 @@ def _take(fd: int) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if _stopped(_holder(fd)) or time.monotonic() > deadline:
+            if is_stopped(_holder(fd)) or time.monotonic() > deadline:
                 return False
             time.sleep(0.002)
             continue
@@ -97,8 +93,3 @@ def _holder(fd: int) -> int | None:
     except ValueError:
         return None
 
-
-def _stopped(pid: int | None) -> bool:
-    """Whether ``pid`` is stopped by a signal (state T) or traced (t)."""
-    fields = stat_fields(pid) if pid is not None else None
-    return bool(fields) and fields[0] in (b"T", b"t")

@@ -1,4 +1,4 @@
-"""Exactly-once PostgreSQL sink on psycopg 3 (DESIGN.md sections 3 and 4).
+"""Exactly-once PostgreSQL sink on psycopg 3 (docs/protocol.md).
 
 Modes and their guarantees:
 

@@ -2,7 +2,7 @@
 
 Guarantees: :func:`doctor` only reads (reachability, version, slots, privileges, dangling
 prepared transactions, staged upsert rows) and never raises for an unreachable server (the
-first check says so). :func:`resolve` applies the recovery rules of DESIGN.md section 3 to every
+first check says so). :func:`resolve` applies the recovery rules of docs/protocol.md to every
 lineage with a dangling onceflow prepared transaction or staged upsert rows: it opens the sink
 for the lineage (a new epoch, so a driver that was stopped can never decide afterwards) and
 recovers: commit what a decision in ``onceflow_commit_log`` lists, roll back the rest, merge

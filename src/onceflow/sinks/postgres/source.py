@@ -1,6 +1,6 @@
 """The Spark data source ``onceflow-postgres``: two-phase commit per micro-batch into PostgreSQL.
 
-Steps (DESIGN.md section 3): tasks pre-commit (two_phase: COPY + ``PREPARE TRANSACTION`` under
+Steps (docs/protocol.md): tasks pre-commit (two_phase: COPY + ``PREPARE TRANSACTION`` under
 a gid ``onceflow:<sink>:<lineage>:<batch>:<partition>:<attempt>:e<epoch>:<run>``; idempotent:
 rows + a marker in one local transaction); the driver records the decision (batch, fingerprint,
 handles, epoch) in ``onceflow_commit_log``, then commits (``COMMIT PREPARED``; upsert: merge).

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from onceflow.runtime import jvm_cache
+from onceflow import jvm_cache
 
 
 def _env(cache: str, enabled: bool) -> dict:
@@ -21,7 +21,7 @@ def test_the_helper_builds_an_archive_that_the_next_driver_jvm_maps(tmp_path):
     # The suite's earlier drivers started the real background build into the default cache;
     # reuse that archive when it is there (a build costs ~40 s), else build one in isolation.
     env = {**os.environ, "ONCEFLOW_JVM_CACHE": "1"}
-    path = subprocess.run([sys.executable, "-c", "from onceflow.runtime import jvm_cache; print(jvm_cache.archive_path())"],
+    path = subprocess.run([sys.executable, "-c", "from onceflow import jvm_cache; print(jvm_cache.archive_path())"],
                           env=env, capture_output=True, text=True, check=True).stdout.strip()
     deadline = time.monotonic() + 240
     while not os.path.exists(path) and os.path.exists(f"{path}.building") and time.monotonic() < deadline:
@@ -29,9 +29,9 @@ def test_the_helper_builds_an_archive_that_the_next_driver_jvm_maps(tmp_path):
     if not os.path.exists(path):
         cache = str(tmp_path / "cache")
         env = _env(cache, enabled=False)
-        path = subprocess.run([sys.executable, "-c", "from onceflow.runtime import jvm_cache; print(jvm_cache.archive_path())"],
+        path = subprocess.run([sys.executable, "-c", "from onceflow import jvm_cache; print(jvm_cache.archive_path())"],
                               env=env, capture_output=True, text=True, check=True).stdout.strip()
-        subprocess.run([sys.executable, "-m", "onceflow.runtime.jvm_cache", path], env=env, timeout=240, check=True,
+        subprocess.run([sys.executable, "-m", "onceflow.runtime.jvm_archive", path], env=env, timeout=240, check=True,
                        capture_output=True)
         assert os.listdir(cache) == [os.path.basename(path)]  # no partial archive, no lock left
     assert os.path.getsize(path) > 10_000_000

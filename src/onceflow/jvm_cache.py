@@ -6,7 +6,7 @@ map them from a CDS archive instead (``-XX:SharedArchiveFile``, Java 13+): on th
 the demo pipeline committed 4 s sooner (docs/recovery.md).
 
 How the archive comes to be: the first driver that finds none starts a background helper
-(``python -m onceflow.runtime.jvm_cache PATH``), at low CPU priority. The helper starts a
+(``python -m onceflow.runtime.jvm_archive PATH``), at low CPU priority. The helper starts a
 SparkSession with ``-XX:ArchiveClassesAtExit``, runs the standby's tiny warm-up query, exits
 (its JVM writes the archive) and renames the archive into place. Drivers started after that
 use it. The archive lives in ``$ONCEFLOW_JVM_CACHE_DIR`` (default ``~/.cache/onceflow/jvm``),
@@ -24,13 +24,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 log = logging.getLogger("onceflow.jvm_cache")
 
 _BUILD_TIMEOUT_S = 600  # a helper older than this is presumed dead and may be replaced
-_QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
+QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 def enabled() -> bool:
@@ -60,7 +59,7 @@ def java_options() -> str:
     try:
         path = archive_path()
         if os.path.exists(path):
-            return f"-XX:SharedArchiveFile={path} {_QUIET}"
+            return f"-XX:SharedArchiveFile={path} {QUIET}"
         _start_build(path)
     except OSError as e:  # an unwritable cache dir only costs start-up time
         log.debug("no JVM class archive: %s", e)
@@ -81,41 +80,10 @@ def _start_build(path: str) -> None:
     except FileExistsError:
         return
     env = {**os.environ, "ONCEFLOW_JVM_CACHE": "0"}  # the helper must not recurse
-    subprocess.Popen([sys.executable, "-m", "onceflow.runtime.jvm_cache", path], env=env,
+    # No preexec_fn: forking a threaded process (a driver, a test with a JVM) and running Python
+    # in the child before exec can deadlock on a lock another thread held (seen: a test hung in
+    # Popen). The helper lowers its own priority.
+    subprocess.Popen([sys.executable, "-m", "onceflow.runtime.jvm_archive", path], env=env,
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True, preexec_fn=lambda: os.nice(10))
+                     start_new_session=True)
     log.info("building the JVM class archive %s in the background (faster driver starts)", path)
-
-
-def build(path: str) -> None:
-    """Write the archive for ``path``: start Spark, run the warm-up query, let the JVM dump."""
-    from onceflow.runtime.standby import warm_query
-    from onceflow.spark import get_spark
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    partial = f"{path}.{os.getpid()}.tmp"
-    tmp = tempfile.mkdtemp(prefix="onceflow-jvm-cache-")
-    try:
-        spark = get_spark("local[2]", "onceflow-jvm-cache",
-                          {"spark.driver.extraJavaOptions": f"-XX:ArchiveClassesAtExit={partial} {_QUIET}"})
-        warm_query(spark, tmp).awaitTermination(300)
-        spark.stop()
-        from pyspark import SparkContext
-
-        proc = SparkContext._gateway.proc  # closing its stdin ends the JVM, which writes the archive
-        proc.stdin.close()
-        proc.wait(timeout=300)
-        if os.path.exists(partial) and os.path.getsize(partial) > 0:
-            os.replace(partial, path)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        for leftover in (partial, f"{path}.building"):
-            try:
-                os.unlink(leftover)
-            except FileNotFoundError:
-                pass
-
-
-if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
-    build(sys.argv[1])

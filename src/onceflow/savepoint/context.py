@@ -11,16 +11,22 @@ itself chooses, e.g. logging, a side input to load, or refusing to start fresh i
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from onceflow.checkpoint.eventlog import EVENTS_DIR
+from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import ConfigError, OnceflowError
 
 log = logging.getLogger("onceflow.context")
 
 Start = Literal["fresh", "resumed", "restored"]
+
+#: the restore record of a checkpoint (written by :mod:`onceflow.savepoint.restore`)
+MARKER = f"{EVENTS_DIR}/restore.json"
 
 
 @dataclass(frozen=True)
@@ -61,23 +67,36 @@ class RestoreContext:
         return self.restore_mode in ("fork", "rollback")
 
 
-def checkpoint_context(checkpoint_url: str, *, restored_now: bool = False, attempt: int = 0) -> RestoreContext:
-    """The context of a query about to start on ``checkpoint_url``.
+def checkpoint_context(checkpoint: CheckpointDir | str, *, restored_now: bool = False,
+                       attempt: int = 0) -> RestoreContext:
+    """The context of a query about to start on ``checkpoint``.
 
     ``restored_now``: this run has just restored a savepoint (the first query after it)."""
-    from onceflow.checkpoint.layout import CheckpointDir
-    from onceflow.savepoint.restore import restore_marker
-
-    ckpt = CheckpointDir(checkpoint_url)
+    ckpt = CheckpointDir.of(checkpoint)
     try:
-        lineage = ckpt.lineage if ckpt.exists() else None
+        lineage = ckpt.read_lineage() if ckpt.exists() else None
         planned = bool(ckpt.offset_batches()) if lineage else False
     except (OSError, OnceflowError):
         lineage, planned = None, False
-    marker = restore_marker(checkpoint_url) or {}
+    marker = restore_marker(ckpt) or {}
     start: Start = "restored" if restored_now else "resumed" if planned else "fresh"
     return RestoreContext(start, attempt, lineage, marker.get("savepoint"), marker.get("mode"),
                           marker.get("rescaled_to"))
+
+
+def restore_marker(checkpoint: CheckpointDir | str) -> dict | None:
+    """The completed restore record of a checkpoint (savepoint, mode, lineage, rescaled_to), if any."""
+    ckpt = CheckpointDir.of(checkpoint)
+    marker = read_marker(ckpt.fs, ckpt._p(MARKER))
+    return marker if marker and marker.get("status") == "done" else None
+
+
+def read_marker(fs, path: str) -> dict | None:
+    try:
+        with fs.open(path, "r") as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _positional(fn: Callable) -> tuple[int, int, bool] | None:

@@ -1,0 +1,59 @@
+"""Where and how often a job's micro-batches are checkpointed: :class:`CheckpointConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from onceflow.durations import seconds
+from onceflow.errors import ConfigError
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and how often micro-batches are checkpointed.
+
+    ``directory``: any filesystem URL Spark and fsspec understand (local path in tests).
+    ``interval``: trigger interval (Flink's checkpoint interval). ``state_backend``:
+    ``hashmap`` (Spark's HDFS-backed store) or ``rocksdb``; ``incremental`` turns on RocksDB
+    changelog checkpointing. ``batches_retained``: Spark's ``minBatchesToRetain``.
+    ``batch_timeout``: a batch running longer fails the attempt (restart strategy applies).
+    ``min_pause``: at least this long between the end of one batch's sink commit and the
+    start of the next batch (enforced by the sink after its commit).
+    """
+
+    directory: str
+    interval: float | str = "1 s"
+    state_backend: Literal["hashmap", "rocksdb"] = "hashmap"
+    incremental: bool = True
+    batches_retained: int = 100
+    batch_timeout: float | str | None = None
+    min_pause: float | str = 0
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise ConfigError("CheckpointConfig.directory is empty; give a directory path or URL")
+        if self.state_backend not in ("hashmap", "rocksdb"):
+            raise ConfigError(
+                f"CheckpointConfig.state_backend={self.state_backend!r}: use 'hashmap' or 'rocksdb'"
+            )
+        if self.batches_retained < 1:
+            raise ConfigError("CheckpointConfig.batches_retained must be at least 1")
+        self.interval_s = seconds(self.interval, "CheckpointConfig.interval") or 0.0
+        self.batch_timeout_s = seconds(self.batch_timeout, "CheckpointConfig.batch_timeout")
+        self.min_pause_s = seconds(self.min_pause, "CheckpointConfig.min_pause") or 0.0
+
+    def spark_conf(self) -> dict[str, str]:
+        conf = {
+            "spark.sql.streaming.minBatchesToRetain": str(self.batches_retained),
+            "spark.sql.streaming.stateStore.providerClass":
+                "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider",
+        }
+        if self.state_backend == "rocksdb":
+            conf["spark.sql.streaming.stateStore.providerClass"] = (
+                "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+            )
+            conf["spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"] = str(
+                self.incremental
+            ).lower()
+        return conf
