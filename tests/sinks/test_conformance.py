@@ -259,6 +259,27 @@ def test_an_older_epoch_can_never_decide(case: Case, tmp_path):
     assert stored is not None and stored.fingerprint == "fp-b" and stored.epoch == eb
 
 
+@pytest.mark.parametrize("case", SINKS, indirect=True)
+def test_a_zombie_replaying_a_batch_a_newer_driver_decided_is_fenced(case: Case, tmp_path):
+    """Driver A (paused, then resumed) reaches commit for a batch its successor B already
+    decided: A's commit raises FencedError instead of returning as a finished replay (Spark
+    would then write ``commits/N`` for A, and sources would clean up what B still reads)."""
+    from onceflow.errors import FencedError
+    from onceflow.sinks.base import Decision, TwoPhaseCommitWriter
+
+    lineage = str(uuid.uuid4())
+    a, schema = _data_source(case, tmp_path)
+    b, _ = _data_source(case, tmp_path)
+    ea, eb = a.open(lineage), b.open(lineage)
+    b.decide(Decision(lineage, 0, "unknown", [], eb), schema, False)
+    for ds in (a, b):
+        ds.opts.update(lineage=lineage, allow_unknown_fingerprint="true")
+    with pytest.raises(FencedError, match="newer driver decided"):
+        TwoPhaseCommitWriter(a, schema, False).commit([], 0)
+    TwoPhaseCommitWriter(b, schema, False).commit([], 0)  # B's own replay finishes normally
+    assert a.decision(lineage, 0).epoch == eb > ea
+
+
 @pytest.mark.parametrize("case", ["postgres-idempotent", "kafka"], indirect=True)
 def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, tmp_path):
     """Sinks whose tasks commit partitions on their own (markers per batch and partition): a

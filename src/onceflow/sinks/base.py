@@ -372,6 +372,12 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
                     "from an older savepoint or edited while keeping the lineage: restart with "
                     "'onceflow run --from-savepoint SP --fork' to get a new lineage."
                 )
+            if existing.epoch is not None and epoch is not None and existing.epoch > epoch:
+                # A newer driver decided this batch: this one is a zombie on the replay path. It
+                # must not report the batch done (Spark would write commits/N and sources clean
+                # up what the successor still reads).
+                raise fenced(self.sink.format_name, lineage, epoch, existing.epoch,
+                             f"finish batch {batchId}, which a newer driver decided")
             # Replay of a decided batch: finish it (idempotent), drop stray attempts.
             self.sink.commit(existing)
             stray = [h for h in handles if existing.handles is None or h not in existing.handles]
