@@ -7,7 +7,8 @@ A thin WSGI layer in front of moto records every request (``S3Server.requests``:
 path, If-None-Match, copy source, status) and applies *rules* the tests set
 (``S3Server.rule``): ``barrier`` holds matching requests until ``count`` of them arrived (two
 contenders racing for one object); ``before`` runs a command once before a matching request
-is answered (another writer commits first).
+is answered (another writer commits first); ``fail`` answers matching requests with HTTP 503
+until the time ``until`` (an outage of the store).
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def serve() -> None:  # pragma: no cover - runs in the server process
                     rule["fired"] = True
                 subprocess.run(rule["command"], check=False, timeout=120)
 
+    def outage(environ) -> bool:
+        import time
+
+        return any(r["kind"] == "fail" and _matches(r, environ) and time.time() < r["until"]
+                   for r in list(rules))
+
     def app(environ, start_response):
         path = environ.get("PATH_INFO", "")
         if path.startswith(CONTROL):
@@ -77,6 +84,9 @@ def serve() -> None:  # pragma: no cover - runs in the server process
                     {k: v for k, v in r.items() if k != "open"} for r in rules]}).encode()
             start_response("200 OK", [("Content-Type", "application/json")])
             return [body]
+        if outage(environ):
+            start_response("503 Service Unavailable", [("Content-Type", "application/xml")])
+            return [b"<Error><Code>ServiceUnavailable</Code><Message>test outage</Message></Error>"]
         apply_rules(environ)
         seen = [environ["REQUEST_METHOD"], path, environ.get("HTTP_IF_NONE_MATCH"),
                 environ.get("HTTP_X_AMZ_COPY_SOURCE")]

@@ -16,7 +16,6 @@ start, restart and stop is appended to the event log.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from onceflow.errors import (
     JvmDied,
     OnceflowError,
 )
+from onceflow.outages import Stopped, short, wait_out
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
@@ -86,48 +86,39 @@ def ensure_lineage(ckpt: CheckpointDir) -> str:
     return ckpt.read_lineage()
 
 
-def check_checkpoint_dir(checkpoint: CheckpointDir | str, wait_for_space: bool = False) -> None:
-    """The checkpoint directory must be creatable and writable; fail early if not.
-
-    ``wait_for_space``: a full filesystem (ENOSPC, EDQUOT) is an outage, not an error: wait
-    (logging every 30 s) until a write succeeds again.
-    """
+def check_checkpoint_dir(checkpoint: CheckpointDir | str, stop: threading.Event | None = None) -> None:
+    """The checkpoint directory must be creatable and writable, and its ``metadata`` (when
+    present) readable: CheckpointError at once for what waiting cannot fix (a path under a
+    file, no permission, a malformed URL, corrupt metadata). Any other error, e.g. a full or
+    read-only filesystem or an object store that is down, is an outage: waited out, one log
+    line per retry."""
     ckpt = CheckpointDir.of(checkpoint)
-    url = ckpt.url
-    said = float("-inf")
-    while True:
-        try:
-            _probe_write(ckpt)
-            break
-        except OSError as e:
-            if not (wait_for_space and e.errno in (errno.ENOSPC, errno.EDQUOT)):
-                raise CheckpointError(
-                    f"checkpoint directory {url} is not writable ({e.__class__.__name__}: {e}); "
-                    "give a directory you can write to"
-                ) from None
-            if time.monotonic() - said >= 30:
-                said = time.monotonic()
-                log.warning("checkpoint filesystem of %s is full (%s); waiting for space", url, e.strerror)
-            time.sleep(1.0)
-    if ckpt.fs.exists(ckpt._p("metadata")):
-        ckpt.read_lineage()  # raises CheckpointError when corrupt
+
+    def probe() -> None:
+        _probe_write(ckpt)
+        if ckpt.fs.exists(ckpt._p("metadata")):
+            ckpt.read_lineage()  # raises CheckpointError when corrupt
+
+    try:
+        wait_out(f"writing to the checkpoint directory {ckpt.url}", probe, log, stop=stop)
+    except (OnceflowError, Stopped):
+        raise
+    except Exception as e:  # noqa: BLE001 - a configuration error of the store: one line
+        raise CheckpointError(f"checkpoint directory {ckpt.url} is not writable ({short(e)}); "
+                              "give a directory you can write to") from None
 
 
 def _probe_write(ckpt: CheckpointDir) -> None:
-    url, fs, path = ckpt.url, ckpt.fs, ckpt.path
+    fs, path = ckpt.fs, ckpt.path
+    fs.makedirs(path, exist_ok=True)
+    probe = f"{path}/_onceflow/.probe-{uuid.uuid4().hex[:8]}"
+    fs.makedirs(probe.rsplit("/", 1)[0], exist_ok=True)
     try:
-        fs.makedirs(path, exist_ok=True)
-        probe = f"{path}/_onceflow/.probe-{uuid.uuid4().hex[:8]}"
-        fs.makedirs(probe.rsplit("/", 1)[0], exist_ok=True)
-        try:
-            with fs.open(probe, "w") as f:
-                f.write("ok")
-        finally:
-            if fs.exists(probe):
-                fs.rm(probe)
-    except ValueError as e:  # a malformed URL; OSError goes to the caller
-        raise CheckpointError(f"checkpoint directory {url} is not writable (ValueError: {e}); "
-                              "give a directory you can write to") from None
+        with fs.open(probe, "w") as f:
+            f.write("ok")
+    finally:
+        if fs.exists(probe):
+            fs.rm(probe)
 
 
 class JobRunner:
@@ -149,7 +140,11 @@ class JobRunner:
 
     def run(self) -> None:
         job = self.job
-        check_checkpoint_dir(self.ckpt, wait_for_space=True)
+        try:
+            check_checkpoint_dir(self.ckpt, self.stop)
+        except Stopped:
+            log.info("stopped while waiting for the checkpoint store")
+            return
         with ExitStack() as stack:
             t0 = time.time()
             lease, spark = DriverLease(self.ckpt, job.name), self.spark
