@@ -29,6 +29,10 @@ def _gap(_ctx, _param, value: str) -> tuple[float, float]:
     return lo_f, hi_f
 
 
+#: ``onceflow verify``'s exit code when the data is clean but not every fault was injected
+EXIT_INCONCLUSIVE = 3
+
+
 @click.command()
 @click.option("--source", type=click.Choice(SOURCES), default="sequence", show_default=True)
 @click.option("--sink", type=click.Choice(SINKS), default="delta", show_default=True,
@@ -81,7 +85,8 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     """Run a pipeline of checksummed event ids under faults; check the sink independently.
 
     Exit status 0 only when every event was committed exactly once with its own payload and
-    nothing (prepared transaction, orphan file) was left dangling.
+    nothing (prepared transaction, orphan file) was left dangling; 1 FAILED; 3 INCONCLUSIVE
+    (clean, but fewer faults than --count could be injected).
     """
     from onceflow.verify import report
     from onceflow.verify.harness import Harness
@@ -97,8 +102,8 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
         if os.path.ismount(os.path.join(workdir, "checkpoint-fs")):
             subprocess.run(["umount", "-l", os.path.join(workdir, "checkpoint-fs")], capture_output=True)
         shutil.rmtree(workdir)
-    if events is None:
-        events = rate * max(30, count * 15)
+    if events is None:  # room for each fault: a standby warm-up, the gap, a recovery (busy machine)
+        events = rate * max(30, 30 + count * 40)
     spec = VerifySpec(workdir=workdir, name=uuid.uuid4().hex[:8], source=source, sink=sink, events=events,
                       rate=rate, partitions=partitions, master=master, postgres=postgres, kafka=kafka)
     options = Options(faults=kinds, count=count if kinds else 0, seed=seed, gap=gap, outage_s=outage_s,
@@ -116,4 +121,4 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     elif json_out:
         with open(json_out, "w") as f:
             f.write(report.to_json(result))
-    sys.exit(0 if result.ok else 1)
+    sys.exit(0 if result.ok else EXIT_INCONCLUSIVE if result.clean else 1)

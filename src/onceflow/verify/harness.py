@@ -72,10 +72,26 @@ class VerifyResult:
     dangling: list[str]
     anomalies: list[str]
     supervisor_rc: int | None
+    #: why fewer faults than planned were injected ("" when all were)
+    shortfall: str = ""
 
     @property
     def ok(self) -> bool:
+        """Clean data and a clean job, every planned fault injected."""
+        return self.clean and not self.shortfall
+
+    @property
+    def clean(self) -> bool:
+        """No data anomaly, nothing dangling, no unfenced zombie, no stuck or failed job."""
         return self.report.ok and not self.dangling and not self.anomalies and self.supervisor_rc == 0
+
+    @property
+    def verdict(self) -> str:
+        """``exactly-once``; ``FAILED`` (an anomaly of the data or the job); ``INCONCLUSIVE``
+        (clean, but not every planned fault could be injected: the run proves less)."""
+        if not self.clean:
+            return "FAILED"
+        return "INCONCLUSIVE" if self.shortfall else "exactly-once"
 
 
 class Harness:
@@ -92,6 +108,7 @@ class Harness:
         self.slow_file = os.path.join(spec.workdir, "slow-commit")
         self.supervisors: list[subprocess.Popen] = []
         self.anomalies: list[str] = []
+        self.shortfall = ""
         #: set by a fault whose recovery starts before it ends (see FaultRecord.settled)
         self.settled: float | None = None
         self._events: list[dict] = []
@@ -190,7 +207,7 @@ class Harness:
         processed = sum(e.get("rows", 0) for e in events if e["event"] == "task")
         restarts = sum(1 for e in events if e["event"] == "restart")
         return VerifyResult(self.spec, self.seed, report, records, commits, started, ended, processed,
-                            restarts, dangling(self.spec), self.anomalies, rc)
+                            restarts, dangling(self.spec), self.anomalies, rc, self.shortfall)
 
     def _inject_all(self, plan: list[tuple[str, float]]) -> list[FaultRecord]:
         records: list[FaultRecord] = []
@@ -232,8 +249,8 @@ class Harness:
                 records.append(last)
                 progress.console.print(f"[yellow]fault {len(records)}: {kind}: {detail}[/yellow]")
             if len(records) < len(plan):
-                self.anomalies.append(f"only {len(records)} of {len(plan)} faults were injected (skipped "
-                                      "faults, or the stream ended first: raise --events or lower --rate)")
+                self.shortfall = (f"only {len(records)} of {len(plan)} faults were injected (skipped "
+                                  "faults, or the stream ended first: raise --events or lower --rate)")
             progress_at, seen = time.time(), self._committed()
             while self.supervisor.poll() is None and time.time() - progress_at < self.options.recovery_timeout:
                 progress.update(bar, completed=seen, info="draining the stream")

@@ -16,7 +16,8 @@ def summary(result: VerifyResult) -> dict:
     r = result.report
     recoveries = [f.recovery_s for f in result.faults if f.recovery_s is not None]
     return {
-        "verdict": "exactly-once" if result.ok else "FAILED",
+        "verdict": result.verdict,
+        "shortfall": result.shortfall or None,
         "seed": result.seed,
         "pipeline": f"{result.spec.source} -> {result.spec.sink}",
         "events_generated": r.expected,
@@ -80,6 +81,8 @@ def print_report(result: VerifyResult, console: Console) -> None:
     if result.ok:
         console.print("[green]EXACTLY ONCE: every event committed once with its own payload, nothing "
                       "dangling.[/green]")
+    elif result.clean:
+        console.print(f"[yellow]INCONCLUSIVE: the data is clean, but {result.shortfall}.[/yellow]")
     else:
         r = result.report
         console.print(f"[red]FAILED: missing {r.sample_missing}, duplicated {r.sample_duplicates}, "
@@ -115,7 +118,7 @@ def chart(result: VerifyResult, path: str) -> None:
             ax.axvspan(f.start - t0, max(f.end - t0, f.start - t0 + 0.3), color=color, alpha=0.35)
         top.annotate(f.kind, (f.start - t0, 0), rotation=90, fontsize=7, va="bottom", color=color)
     top.set_title(f"onceflow verify {result.spec.source} -> {result.spec.sink}, seed {result.seed}: "
-                  f"{'exactly-once' if result.ok else 'FAILED'}")
+                  f"{result.verdict}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
