@@ -40,12 +40,13 @@ from onceflow.errors import (
     JvmDied,
     OnceflowError,
 )
+from onceflow.runtime import scratch
 from onceflow.runtime.launch import apply_overrides, restore_from_env, run_in_process
 from onceflow.runtime.loader import load_job
 from onceflow.runtime.metrics import PORT_ENV, serve
+from onceflow.runtime.runner import driver_spark
 from onceflow.runtime.standby import GO_ENV, mark_ready, wait_for_go, warm_up
 from onceflow.savepoint.operations import savepoint_on_stop, stop_requested
-from onceflow.spark import get_spark
 
 
 def watch_jvm(interval: float = 0.5) -> threading.Thread:
@@ -170,8 +171,8 @@ def _serve_metrics(job, started: float) -> None:
 def _standby(job, go: str, stop: threading.Event):
     """Warm up, then wait for the go file: the warm SparkSession, or None when stopped first."""
     log = logging.getLogger("onceflow.driver")
-    spark = get_spark(job.master, job.name, {**job.checkpoint.spark_conf(), **job.spark_conf}, job.remote)
-    warm_s = warm_up(spark, job, go)
+    spark = driver_spark(job, job.checkpoint.directory)
+    warm_s = warm_up(spark, job, go, scratch.driver_dir(job.name, job.checkpoint.directory))
     mark_ready(go, warm_s)
     log.info("standby ready (warm-up %.1f s); waiting for %s", warm_s, go)
     if not wait_for_go(go, stop):

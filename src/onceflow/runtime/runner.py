@@ -38,6 +38,7 @@ from onceflow.errors import (
     OnceflowError,
 )
 from onceflow.outages import Stopped, short, wait_out
+from onceflow.runtime import scratch
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
@@ -119,6 +120,15 @@ def _probe_write(ckpt: CheckpointDir) -> None:
     finally:
         if fs.exists(probe):
             fs.rm(probe)
+
+
+def driver_spark(job: JobSpec, checkpoint_url: str):
+    """The job's SparkSession for this driver process, its scratch space in a directory of its
+    own (see :mod:`onceflow.runtime.scratch`; not for Spark Connect, which has no local JVM)."""
+    conf = {**job.checkpoint.spark_conf(), **job.spark_conf}
+    if not job.remote:
+        conf = scratch.spark_conf(scratch.driver_dir(job.name, checkpoint_url), job.master, conf)
+    return get_spark(job.master, job.name, conf, job.remote)
 
 
 class JobRunner:
@@ -238,8 +248,7 @@ class JobRunner:
         return checkpoint_context(self.ckpt, restored_now=self._restored_now, attempt=self._attempt)
 
     def _spark(self):
-        conf = {**self.job.checkpoint.spark_conf(), **self.job.spark_conf}
-        return get_spark(self.job.master, self.job.name, conf, self.job.remote)
+        return driver_spark(self.job, self.url)
 
     def _build(self, spark):
         register_all(spark)

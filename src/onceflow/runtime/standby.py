@@ -72,15 +72,18 @@ def warm_query(spark, tmp: str):
             .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
 
 
-def warm_up(spark, job: JobSpec, go: str | None = None) -> float:
+def warm_up(spark, job: JobSpec, go: str | None = None, scratch: str | None = None) -> float:
     """Start what the first batch of a takeover would otherwise wait for; returns seconds.
 
     One streaming micro-batch (:func:`warm_query`), then one task per core that imports the job's sink
     and source modules in the reused Python workers. Once ``go`` exists (promoted while still
-    warming up), the rest is skipped: the job itself is more urgent."""
+    warming up), the rest is skipped: the job itself is more urgent. Its throwaway table and
+    checkpoint go to a directory under ``scratch`` (reclaimed with it should this die)."""
     started = time.monotonic()
     modules = _modules(job)
-    tmp = tempfile.mkdtemp(prefix="onceflow-standby-")
+    if scratch:
+        os.makedirs(scratch, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="onceflow-standby-", dir=scratch)
     try:
         q = warm_query(spark, tmp)
         deadline = time.monotonic() + 120
