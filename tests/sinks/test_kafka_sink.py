@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import pyarrow as pa
 import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from pyspark.sql.types import StringType, StructField, StructType
@@ -537,3 +538,47 @@ def test_tasks_ending_their_transactions_at_once_never_wedge_the_marker_partitio
             close_all()
         assert "otherwise=" not in log, log[-3000:]
         assert len(read_topic(bootstrap, topic_name, 2)) == batches * tasks * 60
+
+
+def test_a_lineage_whose_marker_partition_moved_is_refused_not_given_a_second_epoch_1(kafka_broker, tmp_path):
+    """Partitions added to the marker topic move a lineage's markers to another partition of the
+    routing hash. Before: the next driver found no epoch there, took epoch 1 again while a
+    zombie with a higher epoch still passed its fence on the old partition, and tasks of drivers
+    that disagreed on the count read different partitions. Now the driver refuses (the
+    checkpoint committed batches, so the lineage must have markers), a task whose driver's epoch
+    is missing refuses, and pinning the count the lineage started with finds them again."""
+    import zlib
+
+    from onceflow.errors import ConfigError
+
+    markers = f"m-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, markers, 3)
+    lineage = next(lin for lin in (str(uuid.uuid4()) for _ in range(100))
+                   if zlib.crc32(f"kafka/{lin}".encode()) % 3 != 0)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "commits").mkdir(parents=True)
+    (ckpt / "metadata").write_text(json.dumps({"id": lineage}))
+    (ckpt / "commits" / "0").write_text("v1\n{}")
+
+    out = f"o-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, out, 1)
+    schema = StructType([StructField("key", StringType()), StructField("value", StringType())])
+
+    def source(**kw) -> KafkaSinkDataSource:
+        extra = {"checkpointlocation": str(ckpt), "skip_broker_probe": "true", **kw.pop("extra", {})}
+        ds = KafkaSink(kafka_broker, out, marker_topic=markers, timeout=20, **kw).data_source(extra)
+        ds.write_schema = schema
+        return ds
+
+    def write(ds: KafkaSinkDataSource, attempt: int):
+        rows = pa.table({"key": ["1"], "value": ["1"]}).to_batches()
+        return ds.pre_commit(TaskInfo(lineage, 0, 0, attempt), schema, False, iter(rows))
+
+    assert source(marker_partitions=1).open(lineage) == 1  # started with a one-partition topic
+    with pytest.raises(ConfigError, match="partition count changed since the lineage started"):
+        source().open(lineage)
+    with pytest.raises(ConfigError, match="a task of batch 0 holds epoch 1"):
+        write(source(extra={"epoch": "1"}), 0)
+    assert source(marker_partitions=1).open(lineage) == 2
+    write(source(marker_partitions=1, extra={"epoch": "2"}), 1)
+    assert [m.value() for m in read_topic(kafka_broker, out)] == [b"1"]

@@ -35,8 +35,8 @@ sink refuses to start otherwise (tansu, for one, does not filter them). ``at_lea
 (explicit): idempotent, non-transactional producer; replays write their rows again.
 
 Modules: ``common`` (names, reachability), ``probe`` (probe, doctor), ``markers`` (the marker
-topic), ``producers`` (producer caches, produce loop), ``sink`` (the data source and
-:class:`KafkaSink`); the Kafka client plumbing shared with the source is
+topic), ``producers`` (producer caches, produce loop), ``sink`` (the data source), ``config``
+(:class:`KafkaSink`); the Kafka client plumbing shared with the source is
 :mod:`onceflow.kafka_client`.
 """
 
@@ -44,10 +44,11 @@ from __future__ import annotations
 
 from onceflow.sinks.kafka.common import FORMAT, GUARANTEES, MARKER_TOPIC, PROBE_TOPIC
 from onceflow.sinks.kafka.common import ensure_topic as _ensure_topic
+from onceflow.sinks.kafka.config import KafkaSink
 from onceflow.sinks.kafka.markers import MarkerLog, close_markers, ensure_marker_topic
 from onceflow.sinks.kafka.probe import CheckResult, ProbeResult, cached_probe, doctor, probe
 from onceflow.sinks.kafka.producers import close_producers
-from onceflow.sinks.kafka.sink import KafkaSink, KafkaSinkDataSource
+from onceflow.sinks.kafka.sink import KafkaSinkDataSource
 
 
 def close_all() -> None:

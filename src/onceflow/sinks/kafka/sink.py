@@ -22,15 +22,15 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from pyspark.sql.types import BinaryType, IntegerType, StringType, StructType
 
-from onceflow.errors import ConfigError, FencedError, SinkError
+from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.errors import ConfigError, FencedError, OnceflowError, SinkError
 from onceflow.faults import maybe_crash
-from onceflow.kafka_client import broker_config, error_text, is_fenced, redact
-from onceflow.sinks.base import Decision, Sink, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.kafka_client import broker_config, error_text, is_fenced
+from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
 from onceflow.sinks.kafka import producers as P
 from onceflow.sinks.kafka.common import (
     DEFAULT_TRANSACTION_TIMEOUT,
@@ -88,6 +88,8 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         "producer_config": "JSON object of extra librdkafka producer properties (security, ...)",
         "sink_id": "name of this sink in the job, part of transactional ids and markers (default 'kafka')",
         "marker_topic": f"topic for markers (default {MARKER_TOPIC}; created compacted if missing)",
+        "marker_partitions": ("partition count that routes a lineage's markers (default: the marker "
+                              "topic's); pin it when partitions were added to the marker topic"),
         "timeout": "seconds for metadata, flush, init_transactions, commit and marker reads (default 60)",
         "transaction_timeout": ("seconds a Kafka transaction may stay open, i.e. the longest a task "
                                 "may take to produce its partition (transaction.timeout.ms; default "
@@ -112,6 +114,9 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         self.mode = o.get("mode", "exactly_once").lower()
         self.sink_id = o.get("sink_id", "kafka")
         self.marker_topic = o.get("marker_topic", MARKER_TOPIC)
+        if o.get("marker_partitions") and not str(o["marker_partitions"]).isdigit():
+            raise ConfigError(f"{FORMAT}: marker_partitions={o['marker_partitions']!r}: give a "
+                              "partition count >= 1")
         self.skip_probe = o.get("skip_broker_probe", "false").lower() in ("true", "1", "yes")
         if self.mode not in MODES:
             raise ConfigError(f"{FORMAT}: mode={self.mode!r}; use 'exactly_once' or 'at_least_once'")
@@ -172,14 +177,29 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         """Chooses the marker partition of the lineage (see markers.py for record keys)."""
         return routing_key(self.sink_id, lineage)
 
+    def _marker_count(self) -> int:
+        """The partition count that routes markers: ``marker_partitions``, else the topic's."""
+        pinned = self.opts.get("marker_partitions")
+        return int(pinned) if pinned else marker_partitions(self.conf, self.marker_topic, self.timeout)
+
     def _markers(self, lineage: str) -> MarkerLog:
-        n = marker_partitions(self.conf, self.marker_topic, self.timeout)
-        return MarkerLog.get(self.conf, self.marker_topic, marker_partition(self.marker_key(lineage), n), self.timeout)
+        part = marker_partition(self.marker_key(lineage), self._marker_count())
+        return MarkerLog.get(self.conf, self.marker_topic, part, self.timeout)
 
     def _produce_marker(self, producer, lineage: str, key: str, marker: dict) -> None:
-        n = marker_partitions(self.conf, self.marker_topic, self.timeout)
         producer.produce(self.marker_topic, json.dumps(marker).encode(), key.encode(),
-                         partition=marker_partition(self.marker_key(lineage), n))
+                         partition=marker_partition(self.marker_key(lineage), self._marker_count()))
+
+    def _markers_moved(self, lineage: str, what: str) -> ConfigError:
+        """The error when a lineage's markers are not where its partition count says."""
+        n = self._marker_count()
+        return ConfigError(
+            f"{FORMAT}: {what}, but the markers of lineage {lineage} are not in partition "
+            f"{marker_partition(self.marker_key(lineage), n)} of {n} of the marker topic "
+            f"{self.marker_topic}: its partition count changed since the lineage started (markers "
+            "are routed by it). Nothing was written. Set the count the lineage started with "
+            "(KafkaSink(marker_partitions=M), option marker_partitions) so its markers and fence "
+            "are found; only if this sink never wrote for this lineage, set it to the current count")
 
     # ---- validation ----------------------------------------------------------------------
 
@@ -255,6 +275,8 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         mine, current = self.epoch, markers.latest_epoch(self.sink_id, lineage)
         if mine is not None and current is not None and current > mine:
             raise fenced(FORMAT, lineage, mine, current, f"task of batch {batch} partition {partition}")
+        if mine and (current is None or current < mine):  # its driver's epoch marker is elsewhere
+            raise self._markers_moved(lineage, f"a task of batch {batch} holds epoch {mine}")
 
     def _refreshed(self, lineage: str, own: set[str]) -> MarkerLog:
         """The lineage's markers, read to the log end. A transaction that still holds the marker
@@ -399,17 +421,31 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                             "right now)") from None
         raise AssertionError("unreachable")
 
+    def _committed_before(self, lineage: str) -> bool:
+        """Whether the checkpoint committed batches of ``lineage`` (so it must have markers)."""
+        loc = self.opts.get("checkpointlocation")
+        if not loc or self._marker_count() == 1:  # one partition: markers cannot have moved
+            return False
+        ckpt = CheckpointDir(loc)
+        try:
+            return ckpt.exists() and ckpt.read_lineage() == lineage and ckpt.last_committed() is not None
+        except (OSError, OnceflowError):
+            return False
+
     def _take_epoch(self, lineage: str, txn: str) -> int:
         from confluent_kafka import KafkaException
 
         producer = P._init(self.conf, txn, self.timeout)  # fences older drivers, aborts their txn
         try:
             markers = self._refreshed(lineage, set())
-            epoch = (markers.latest_epoch(self.sink_id, lineage) or 0) + 1
+            latest = markers.latest_epoch(self.sink_id, lineage)
+            if latest is None and self._committed_before(lineage):
+                raise self._markers_moved(lineage, "the checkpoint has committed batches of this lineage")
+            epoch = (latest or 0) + 1
             producer.begin_transaction()
             self._produce_marker(producer, lineage, epoch_key(self.sink_id, lineage, epoch), {
                 "type": "epoch", "sink": self.sink_id, "lineage": lineage, "epoch": epoch,
-                "txn": txn, "at": round(time.time(), 3)})
+                "txn": txn, "at": round(time.time(), 3), "partitions": self._marker_count()})
             P.commit(self.conf, producer, self.timeout)
         except KafkaException as e:
             P.abort_quietly(self.conf, producer, txn, self.timeout)
@@ -545,56 +581,3 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
             log.warning("%s: lineage %s: %d decision marker(s) written by fenced drivers after a newer "
                         "epoch opened are ignored", FORMAT, lineage, ignored)
         return {"open_transactions_aborted": count}
-
-
-# ---- user-facing configuration -------------------------------------------------------------
-
-
-@dataclass
-class KafkaSink(Sink):
-    """Kafka sink for a :class:`~onceflow.Job` (or ``writeStream``).
-
-    Input rows carry ``value`` (binary/string), optionally ``key``, ``topic``, ``partition``
-    and ``headers``, as for Spark's Kafka sink. ``mode``: ``exactly_once`` (default;
-    transactional producer per (lineage, partition) + markers, decisions fenced by driver
-    epochs; refused on brokers whose read_committed shows aborted records) or
-    ``at_least_once`` (explicit; no transactions). ``producer_config``: extra librdkafka
-    properties (security, compression, ...). ``timeout``: seconds for each broker operation;
-    ``transaction_timeout``: seconds a task's transaction may stay open (its produce time).
-    """
-
-    bootstrap_servers: str
-    topic: str | None = None
-    key_column: str = "key"
-    value_column: str = "value"
-    topic_column: str = "topic"
-    mode: Literal["exactly_once", "at_least_once"] = "exactly_once"
-    producer_config: Mapping[str, Any] = field(default_factory=dict)
-    sink_id: str = "kafka"
-    marker_topic: str = MARKER_TOPIC
-    timeout: float = 60.0
-    transaction_timeout: float = DEFAULT_TRANSACTION_TIMEOUT
-    serialize_commits: bool | None = None
-
-    format_name = FORMAT
-
-    def __repr__(self) -> str:
-        return (f"KafkaSink({self.bootstrap_servers!r}, topic={self.topic!r}, mode={self.mode!r}, "
-                f"sink_id={self.sink_id!r}, producer_config={redact(self.producer_config)!r})")
-
-    def options(self) -> dict[str, str]:
-        opts = {
-            "bootstrap_servers": self.bootstrap_servers, "key_column": self.key_column,
-            "value_column": self.value_column, "topic_column": self.topic_column,
-            "mode": self.mode, "sink_id": self.sink_id, "marker_topic": self.marker_topic,
-            "timeout": str(self.timeout),
-        }
-        if "transaction.timeout.ms" not in self.producer_config:
-            opts["transaction_timeout"] = str(self.transaction_timeout)
-        if self.topic:
-            opts["topic"] = self.topic
-        if self.serialize_commits is not None:
-            opts["serialize_commits"] = str(self.serialize_commits).lower()
-        if self.producer_config:
-            opts["producer_config"] = json.dumps(dict(self.producer_config))
-        return opts

@@ -1,0 +1,66 @@
+"""The Kafka sink as users configure it: :class:`KafkaSink` (its options for ``writeStream``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from onceflow.kafka_client import redact
+from onceflow.sinks.base import Sink
+from onceflow.sinks.kafka.common import DEFAULT_TRANSACTION_TIMEOUT, FORMAT, MARKER_TOPIC
+
+
+@dataclass
+class KafkaSink(Sink):
+    """Kafka sink for a :class:`~onceflow.Job` (or ``writeStream``).
+
+    Input rows carry ``value`` (binary/string), optionally ``key``, ``topic``, ``partition``
+    and ``headers``, as for Spark's Kafka sink. ``mode``: ``exactly_once`` (default;
+    transactional producer per (lineage, partition) + markers, decisions fenced by driver
+    epochs; refused on brokers whose read_committed shows aborted records) or
+    ``at_least_once`` (explicit; no transactions). ``producer_config``: extra librdkafka
+    properties (security, compression, ...). ``timeout``: seconds for each broker operation;
+    ``transaction_timeout``: seconds a task's transaction may stay open (its produce time).
+    """
+
+    bootstrap_servers: str
+    topic: str | None = None
+    key_column: str = "key"
+    value_column: str = "value"
+    topic_column: str = "topic"
+    mode: Literal["exactly_once", "at_least_once"] = "exactly_once"
+    producer_config: Mapping[str, Any] = field(default_factory=dict)
+    sink_id: str = "kafka"
+    marker_topic: str = MARKER_TOPIC
+    timeout: float = 60.0
+    transaction_timeout: float = DEFAULT_TRANSACTION_TIMEOUT
+    serialize_commits: bool | None = None
+    #: partition count that routes markers (pin it after partitions were added to the topic)
+    marker_partitions: int | None = None
+
+    format_name = FORMAT
+
+    def __repr__(self) -> str:
+        return (f"KafkaSink({self.bootstrap_servers!r}, topic={self.topic!r}, mode={self.mode!r}, "
+                f"sink_id={self.sink_id!r}, producer_config={redact(self.producer_config)!r})")
+
+    def options(self) -> dict[str, str]:
+        opts = {
+            "bootstrap_servers": self.bootstrap_servers, "key_column": self.key_column,
+            "value_column": self.value_column, "topic_column": self.topic_column,
+            "mode": self.mode, "sink_id": self.sink_id, "marker_topic": self.marker_topic,
+            "timeout": str(self.timeout),
+        }
+        if "transaction.timeout.ms" not in self.producer_config:
+            opts["transaction_timeout"] = str(self.transaction_timeout)
+        if self.topic:
+            opts["topic"] = self.topic
+        if self.marker_partitions is not None:
+            opts["marker_partitions"] = str(self.marker_partitions)
+        if self.serialize_commits is not None:
+            opts["serialize_commits"] = str(self.serialize_commits).lower()
+        if self.producer_config:
+            opts["producer_config"] = json.dumps(dict(self.producer_config))
+        return opts
