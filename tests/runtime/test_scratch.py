@@ -66,7 +66,12 @@ def test_a_reused_pid_does_not_keep_a_dead_drivers_directory(tmp_path):
 
 
 def test_local_masters_get_the_directory_and_the_users_settings_win():
-    conf = scratch.spark_conf("/s/d", "local[2]", {"spark.driver.extraJavaOptions": "-Xss4m"})
-    assert conf == {"spark.local.dir": "/s/d", "spark.driver.extraJavaOptions": "-Djava.io.tmpdir=/s/d -Xss4m"}
-    assert "spark.local.dir" not in scratch.spark_conf("/s/d", "spark://h:7077", {})
-    assert scratch.spark_conf("/s/d", "local", {"spark.local.dir": "/mine"})["spark.local.dir"] == "/mine"
+    env: dict[str, str] = {}
+    conf = scratch.spark_conf("/s/d", "local[2]", {"spark.driver.extraJavaOptions": "-Xss4m"}, env)
+    assert conf == {"spark.driver.extraJavaOptions": "-Djava.io.tmpdir=/s/d -Xss4m"}
+    assert env == {"SPARK_LOCAL_DIRS": "/s/d"}
+    for master, conf, given in (("spark://h:7077", {}, {}), ("local", {"spark.local.dir": "/m"}, {}),
+                                ("local", {}, {"SPARK_LOCAL_DIRS": "/m"})):
+        env = dict(given)
+        scratch.spark_conf("/s/d", master, conf, env)
+        assert env == given

@@ -6,13 +6,15 @@ working copies, the extracted ``librocksdbjni*.so``) in ``spark.local.dir`` and 
 clean exit. A killed driver leaves them behind: hundreds of MB per kill with large state.
 
 Here every driver process (active or standby) of a job gets
-``<root>/<job>-<checkpoint hash>/driver-<pid>-<start time>/`` as both (root:
+``<root>/<job>-<checkpoint hash>/driver-<pid>-<start time>/`` as both (Spark's through
+``SPARK_LOCAL_DIRS``, which Spark reads before ``spark.local.dir`` and without warning; root:
 ``$ONCEFLOW_SCRATCH_DIR``, else the system temporary directory), and every driver that starts
 removes the directories of its job whose process is gone (the pid dead, or reused by a
 process that started at another time). Guarantee: a live driver's directory is never removed;
 a dead one's is removed by the next driver of the same job on the same host. Only local
-masters (``local``, ``local[N]``, ``local-cluster``) get a ``spark.local.dir``: elsewhere the
-executors' own hosts decide theirs.
+masters (``local``, ``local[N]``, ``local-cluster``) get Spark's local directory: elsewhere the
+executors' own hosts decide theirs. A ``spark.local.dir`` or ``SPARK_LOCAL_DIRS`` the user set
+wins, and so does a ``-Djava.io.tmpdir`` in ``spark.driver.extraJavaOptions``.
 """
 
 from __future__ import annotations
@@ -70,12 +72,16 @@ def driver_dir(job_name: str, checkpoint_url: str) -> str:
     return path
 
 
-def spark_conf(path: str, master: str | None, conf: dict[str, str]) -> dict[str, str]:
-    """``conf`` with this driver's scratch directory as Spark's and the JVM's temporary
-    directory (settings the user gave win)."""
+def spark_conf(path: str, master: str | None, conf: dict[str, str],
+               environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``conf`` with this driver's scratch directory as the JVM's temporary directory, and as
+    Spark's local directory (``SPARK_LOCAL_DIRS`` in ``environ``, default this process's
+    environment, which the driver JVM inherits); settings the user gave win."""
+    environ = os.environ if environ is None else environ  # type: ignore[assignment]
     out = dict(conf)
-    if master and master.startswith("local") and "spark.local.dir" not in out:
-        out["spark.local.dir"] = path
+    if (master and master.startswith("local") and "spark.local.dir" not in out
+            and not environ.get("SPARK_LOCAL_DIRS")):
+        environ["SPARK_LOCAL_DIRS"] = path
     java = out.get("spark.driver.extraJavaOptions", "")
     if "java.io.tmpdir" not in java:
         out["spark.driver.extraJavaOptions"] = f"-Djava.io.tmpdir={path} {java}".strip()

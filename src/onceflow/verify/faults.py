@@ -41,7 +41,7 @@ class Harness(Protocol):
     @property
     def supervisor(self) -> subprocess.Popen: ...
 
-    def start_supervisor(self, host: str | None = None) -> subprocess.Popen: ...
+    def start_supervisor(self, host: str | None = None, pid_namespace: bool = False) -> subprocess.Popen: ...
 
     def wait_commit(self, after: float, proc: subprocess.Popen, timeout: float = 180.0) -> bool: ...
 
@@ -66,7 +66,7 @@ class FaultMissed(Exception):
 
 
 def _driver(h: Harness) -> int:
-    pid = procs.active_driver(h.log)
+    pid = procs.active_driver(h.log, h.supervisor.pid)
     if pid is None:
         raise FaultMissed("no driver is running")
     return pid
@@ -255,7 +255,59 @@ class SlowSink(Fault):
         return f"commits +{h.options.slow_s:.1f}s for {h.options.outage_s:.0f}s"
 
 
+def _can_unshare(*flags: str) -> bool:
+    return shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", *flags, "true"], capture_output=True).returncode == 0
+
+
+class ContainerRestart(Fault):
+    """The job's whole process tree (supervisor, drivers, standby, JVMs, workers) is SIGKILLed
+    at once, as a container's is, and ``onceflow run`` starts again as the init of a fresh PID
+    namespace with the same host name: the pids in the lease and the event log may now name
+    other processes, or be reused by the new ones."""
+
+    name, help = "container_restart", ("SIGKILL the job's whole process tree; restart it in a fresh "
+                                       "PID namespace with the same host name")
+    kills_driver = True
+
+    def unavailable(self, h: Harness) -> str | None:
+        if not _can_unshare("--pid", "--fork", "--mount-proc"):
+            return "needs unshare(1) allowed to make a PID namespace (root)"
+        return None
+
+    def inject(self, h: Harness) -> str:
+        old = h.supervisor
+        killed = procs.freeze(old.pid)  # nothing may fork or restart while the tree is killed
+        procs.signal_all(killed, signal.SIGKILL)
+        old.wait(30)
+        new = h.start_supervisor(pid_namespace=True)
+        return f"killed {len(killed)} processes; restarted as supervisor {new.pid} in a new PID namespace"
+
+
+class StoreOutage(Fault):
+    """The checkpoint's filesystem (the ``--checkpoint-fs`` tmpfs) turns read-only for
+    ``--outage-s`` seconds, longer than the lease: every write of the checkpoint, the event log
+    and the lease fails, then works again."""
+
+    name, help = "store_outage", "make the checkpoint filesystem read-only past the lease, then writable"
+
+    def unavailable(self, h: Harness) -> str | None:
+        if not h.options.checkpoint_fs:
+            return "needs --checkpoint-fs SIZE (a tmpfs of that size holds the checkpoint; root only)"
+        return None
+
+    def inject(self, h: Harness) -> str:
+        mount = os.path.dirname(h.spec.checkpoint)
+        for mode in ("ro", "rw"):
+            res = subprocess.run(["mount", "-o", f"remount,{mode}", mount], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise ConfigError(f"verify: remount,{mode} of {mount} failed: {res.stderr.strip()}")
+            if mode == "ro":
+                time.sleep(h.options.outage_s)
+        return f"checkpoint filesystem read-only for {h.options.outage_s:.0f}s"
+
+
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     DriverKill(), JvmKill(), Zombie(), ExecutorKill(), WorkerKill(), PgRestart(), PgDown(),
-    BrokerRestart(), DiskFull(), SlowSink(),
+    BrokerRestart(), DiskFull(), SlowSink(), ContainerRestart(), StoreOutage(),
 )}

@@ -124,14 +124,17 @@ class Harness:
 
     # ---- processes ---------------------------------------------------------------------------
 
-    def start_supervisor(self, host: str | None = None) -> subprocess.Popen:
-        """``onceflow run`` of the verify job; on another UTS host name when ``host`` is set."""
+    def start_supervisor(self, host: str | None = None, pid_namespace: bool = False) -> subprocess.Popen:
+        """``onceflow run`` of the verify job; on another UTS host name when ``host`` is set,
+        as the init of a new PID namespace with ``pid_namespace``."""
         job_file = importlib.util.find_spec("onceflow.verify.job").origin  # not imported here
         cmd = [sys.executable, "-m", "onceflow", "run", job_file, "--no-savepoint-on-stop",
                "--wait-for-lease", str(self.options.recovery_timeout)]
         cmd.append("--standby" if self.options.standby else "--no-standby")
         if host:
             cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd]
+        if pid_namespace:
+            cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM", *cmd]
         env = {**os.environ, "ONCEFLOW_VERIFY_SPEC": os.path.join(self.spec.workdir, "spec.json"),
                "ONCEFLOW_TASK_EVENTS": "1", "ONCEFLOW_LEASE_TTL_S": str(self.options.lease_ttl_s),
                "ONCEFLOW_SLOW_COMMIT_FILE": self.slow_file}
@@ -229,7 +232,7 @@ class Harness:
                 if self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None:
                     break  # the stream is (nearly) done: a fault now would test nothing
                 start, self.settled = time.time(), None
-                victim = procs.active_driver(self.log) if FAULTS[kind].kills_driver else None
+                victim = procs.active_driver(self.log, self.supervisor.pid) if FAULTS[kind].kills_driver else None
                 try:
                     detail = FAULTS[kind].inject(self)
                 except (FaultMissed, ProcessLookupError, psutil.NoSuchProcess) as e:
@@ -269,7 +272,8 @@ class Harness:
         ready = {e["pid"] for e in events if e["event"] == "standby_ready"}
         promoted = {e["pid"] for e in events if e["event"] == "process_start" and e.get("standby")}
         sup = self.supervisor.pid
-        return any(pid not in promoted and procs.parent(pid) == sup for pid in ready)
+        mine = procs.ns_pids(sup)  # pids as the event log knows them (a PID namespace's own)
+        return any(pid not in promoted and pid in mine and mine[pid] != sup for pid in ready)
 
     def _wait_up(self, last: FaultRecord | None, progress: Progress, bar) -> bool:
         """Wait until a batch with rows committed after the ``last`` fault and, with

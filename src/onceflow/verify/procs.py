@@ -16,12 +16,31 @@ import psutil
 from onceflow.checkpoint.eventlog import EventLog
 
 
-def active_driver(log: EventLog) -> int | None:
-    """Pid of the newest driver that started a runner and is still alive, else None."""
-    for e in reversed(list(log.read())):
-        if e.get("event") == "start" and psutil.pid_exists(int(e["pid"])):
-            return int(e["pid"])
-    return None
+def active_driver(log: EventLog, within: int | None = None) -> int | None:
+    """Pid (as this process sees it) of the newest driver that started a runner and is still
+    alive, else None. With ``within`` (a supervisor's pid), only a process of that supervisor's
+    tree counts, and pids the event log recorded inside a PID namespace (a container restart)
+    are mapped to this process's: a bare pid from the log could name anything here."""
+    starts = [int(e["pid"]) for e in reversed(list(log.read())) if e.get("event") == "start"]
+    if within is None:
+        return next((pid for pid in starts if psutil.pid_exists(pid)), None)
+    seen = ns_pids(within)
+    return next((seen[pid] for pid in starts if pid in seen), None)
+
+
+def ns_pids(root: int) -> dict[int, int]:
+    """The processes of ``root``'s tree: their pid in their own PID namespace -> their pid here."""
+    return {ns_pid(p.pid): p.pid for p in tree(root)}
+
+
+def ns_pid(pid: int) -> int:
+    """``pid`` as its own (innermost) PID namespace knows it (``NSpid`` in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            line = next((ln for ln in f if ln.startswith("NSpid:")), "")
+        return int(line.split()[-1]) if line else pid
+    except (OSError, ValueError):
+        return pid
 
 
 def parent(pid: int) -> int | None:
