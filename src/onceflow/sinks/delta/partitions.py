@@ -133,8 +133,7 @@ def split(batch: pa.RecordBatch | pa.Table, partition_by: Sequence[str]
     for name, col in keys.items():
         keyed = keyed.append_column(name, col)
     names = list(keys)
-    ordered = keyed.take(pc.sort_indices(keyed, sort_keys=[(n, "ascending") for n in names],
-                                                 null_placement="at_end"))
+    ordered = keyed.take(pc.sort_indices(keyed, sort_keys=[(n, "ascending", "at_end") for n in names]))
     groups = ordered.group_by(names, use_threads=False).aggregate([([], "count_all")])
     offset = 0
     counts = groups.column("count_all").to_pylist()
