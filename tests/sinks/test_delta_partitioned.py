@@ -89,14 +89,11 @@ def check_partitioned(table, total: int, columns=("k", "d")) -> None:
 @pytest.mark.parametrize("writer", WRITERS)
 def test_partition_by_creates_a_partitioned_table_read_back_by_independent_readers(spark, tmp_path, writer):
     table = tmp_path / "table"
-    job(tmp_path, DeltaSink(str(table), partition_by=["k", "d"], writer=writer)).run(spark=spark)
+    job(tmp_path, DeltaSink(str(table), partition_by=["k", "d"], writer=writer), per_batch=1500).run(spark=spark)
     check_partitioned(table, 3000)
     from onceflow.verify.readers import delta_dangling
 
     assert delta_dangling(str(table)) == []
-    # a restart appends on (the table's partitioning, partition_by left out) with nothing redone
-    job(tmp_path, DeltaSink(str(table), writer=writer), total=5000).run(spark=spark)
-    check_partitioned(table, 5000)
 
 
 @pytest.mark.parametrize("writer", WRITERS)
@@ -227,3 +224,36 @@ def test_merge_refuses_a_wider_type_and_a_missing_required_column(spark, tmp_pat
     assert DeltaTable(str(required)).version() == 0
     with pytest.raises(ConfigError, match="use 'strict' or 'merge'"):
         DeltaSink(str(table), schema_mode="evolve")  # type: ignore[arg-type]
+
+
+def test_complete_mode_replaces_a_partitioned_table_through_delta_rs(tmp_path):
+    """complete mode commits through delta-rs (not the local log): the same partition values
+    and directory names, the escaped value's path stored once-encoded, the old batch removed."""
+    import uuid
+
+    from pyspark.sql.types import LongType, StringType, StructField, StructType
+
+    from onceflow.sinks.base import Decision, TaskInfo
+
+    table = tmp_path / "table"
+    schema = StructType([StructField("id", LongType()), StructField("k", StringType())])
+    src = DeltaSink(str(table), partition_by=["k"]).data_source()
+    src.write_schema = schema
+    src.validate(schema, True)
+    lineage = str(uuid.uuid4())
+    epoch = src.open(lineage)
+    for b in range(2):
+        rows = pa.record_batch({"id": pa.array([10 * b, 10 * b + 1, 10 * b + 2], pa.int64()),
+                                "k": ["a/b:c=%", None, "x"]})
+        handle, n = src.pre_commit(TaskInfo(lineage, b, 0, 0), schema, True, iter([rows]))
+        assert n == 3 and len(handle["files"]) == 3
+        decision = Decision(lineage, b, f"fp{b}", [handle], epoch)
+        src.decide(decision, schema, True)
+        src.commit(decision)
+    got = sorted(DeltaTable(str(table)).to_pyarrow_table().to_pylist(), key=lambda r: r["id"])
+    assert got == [{"id": 10, "k": "a/b:c=%"}, {"id": 11, "k": None}, {"id": 12, "k": "x"}]
+    last = sorted(glob.glob(f"{table}/_delta_log/*.json"))[-1]
+    adds = [json.loads(line)["add"] for line in open(last) if '"add"' in line]
+    assert {a["partitionValues"]["k"] for a in adds} == {"a/b:c=%", None, "x"}
+    for a in adds:
+        assert os.path.isfile(os.path.join(table, unquote(a["path"]))), a["path"]

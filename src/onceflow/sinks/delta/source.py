@@ -39,7 +39,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
-from urllib.parse import quote
 
 import pyarrow as pa
 from deltalake import CommitProperties, DeltaTable, Transaction
@@ -469,7 +468,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         anything landed since)."""
         adds = [
             AddAction(
-                path=quote(h["path"], safe="/="), size=h["size"], partition_values=h.get("partition") or {},
+                path=h["path"], size=h["size"], partition_values=h.get("partition") or {},
                 modification_time=h["mtime"], data_change=True, stats=json.dumps({"numRecords": h["rows"]}),
             )
             for h in files
