@@ -1,7 +1,7 @@
 """Delta sink throughput vs Spark's built-in Parquet file sink (exactly-once baseline).
 
 One command: ``python benchmarks/bench_delta.py [--per-batch M] [--batches K] [--repeat R]
-[--pipelines stateless,payload]``. Same session, same source (Spark's ``rate-micro-batch``:
+[--pipelines stateless,payload] [--partitions N]``. Same session, same source (Spark's ``rate-micro-batch``:
 exactly M rows per micro-batch, so every sink sees identical batches), and two pipelines:
 
 - ``stateless``: ``value AS id, value % 1000 AS k`` (the pipeline of the Flink comparison in
@@ -17,6 +17,10 @@ Python callback). ``--query-per-batch`` instead runs each batch as its own
 every batch a query start. The best of R timed runs is reported, with the ratio against the
 Parquet sink measured in the same run, and every run's output is counted so that a sink that
 dropped rows cannot win.
+
+``--partitions N`` (e.g. 32) adds a column ``part = value % N`` and partitions every sink by it:
+Spark's Parquet sink with ``partitionBy("part")``, the Delta sinks with
+``DeltaSink(partition_by=["part"])`` (a partitioned table, Hive-style directories).
 
 The onceflow sinks' queries start as a Job's do (``onceflow.spark.query_conf``: Spark's
 checkpoint files written by the FileSystem-based manager on a local disk). The Parquet sink
@@ -53,14 +57,14 @@ def written(spark, fmt: str, out: str) -> int:
     return spark.read.parquet(out).count()
 
 
-def jvm_writer(df, out: str, ckpt: str):
+def jvm_writer(df, out: str, ckpt: str, partition_by: list[str] | None = None):
     """DeltaSink(writer="jvm") started as the Job runner starts it: open (epoch, recovery),
     then its foreachBatch writer."""
     from onceflow.checkpoint.layout import CheckpointDir
     from onceflow.runtime.runner import ensure_lineage
     from onceflow.sinks.delta import DeltaSink
 
-    sink = DeltaSink(out, writer="jvm")
+    sink = DeltaSink(out, writer="jvm", partition_by=partition_by)
     source = sink.data_source({"checkpointlocation": ckpt})
     source.write_schema = df.schema
     source.validate(df.schema, False)
@@ -68,10 +72,20 @@ def jvm_writer(df, out: str, ckpt: str):
     return sink.stream_writer(df, source, sink.options(), False)
 
 
-def _query(spark, fmt: str, pipeline: str, per_batch: int, out: str, ckpt: str, trigger: dict, as_job: bool):
+def _query(spark, fmt: str, pipeline: str, per_batch: int, out: str, ckpt: str, trigger: dict, as_job: bool,
+           partitions: int = 0):
+    columns = PIPELINES[pipeline] + ((f"value % {partitions} AS part",) if partitions else ())
     df = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", per_batch)
-          .option("numPartitions", 2).load().selectExpr(*PIPELINES[pipeline]))
-    writer = jvm_writer(df, out, ckpt) if fmt == "onceflow-delta-jvm" else df.writeStream.format(fmt).option("path", out)
+          .option("numPartitions", 2).load().selectExpr(*columns))
+    parts = ["part"] if partitions else None
+    if fmt == "onceflow-delta-jvm":
+        writer = jvm_writer(df, out, ckpt, parts)
+    else:
+        writer = df.writeStream.format(fmt).option("path", out)
+        if parts and fmt == "parquet":
+            writer = writer.partitionBy(*parts)
+        elif parts:
+            writer = writer.option("partition_by", ",".join(parts))
     writer = writer.option("checkpointLocation", ckpt).trigger(**trigger)
     if not as_job:
         return writer.start()
@@ -85,7 +99,7 @@ def _check(fmt: str, q) -> None:
 
 
 def run(spark, fmt: str, pipeline: str, per_batch: int, batches: int, root: str,
-        interval: float, query_per_batch: bool = False, as_job: bool = True) -> float:
+        interval: float, query_per_batch: bool = False, as_job: bool = True, partitions: int = 0) -> float:
     """Rows/s of batches 2..``batches``+1 (see the module doc)."""
     out, ckpt = f"{root}/out", f"{root}/ckpt"
     shutil.rmtree(root, ignore_errors=True)
@@ -93,13 +107,13 @@ def run(spark, fmt: str, pipeline: str, per_batch: int, batches: int, root: str,
     if query_per_batch:
         progress = []
         for _ in range(last + 1):
-            q = _query(spark, fmt, pipeline, per_batch, out, ckpt, {"availableNow": True}, as_job)
+            q = _query(spark, fmt, pipeline, per_batch, out, ckpt, {"availableNow": True}, as_job, partitions)
             q.awaitTermination()
             _check(fmt, q)
             progress += [p for p in q.recentProgress if p.numInputRows]
     else:
         q = _query(spark, fmt, pipeline, per_batch, out, ckpt, {"processingTime": f"{int(interval * 1000)} milliseconds"},
-                   as_job)
+                   as_job, partitions)
         while (q.lastProgress or {}).get("batchId", -1) < last or q.status["isTriggerActive"]:
             _check(fmt, q)
             time.sleep(0.02)
@@ -126,6 +140,8 @@ def main() -> None:
     ap.add_argument("--pipelines", default="stateless,payload")
     ap.add_argument("--interval", type=float, default=2.0,
                     help="seconds between triggers; longer than one batch takes")
+    ap.add_argument("--partitions", type=int, default=0,
+                    help="partition every sink by value %% N (0: unpartitioned)")
     ap.add_argument("--query-per-batch", action="store_true",
                     help="each batch its own AvailableNow query (charges a query start per batch)")
     args = ap.parse_args()
@@ -133,16 +149,18 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="onceflow-bench-")
     for pipeline in args.pipelines.split(","):
         for i, (fmt, as_job) in enumerate(SINKS.values()):  # warm-up: JIT, Python workers, Delta table cache
-            run(spark, fmt, pipeline, args.per_batch, 1, f"{tmp}/warm-{i}", args.interval, args.query_per_batch, as_job)
+            run(spark, fmt, pipeline, args.per_batch, 1, f"{tmp}/warm-{i}", args.interval, args.query_per_batch, as_job,
+                args.partitions)
         best: dict[str, float] = {}
         for r in range(args.repeat):
             for i, (name, (fmt, as_job)) in enumerate(SINKS.items()):
                 rate = run(spark, fmt, pipeline, args.per_batch, args.batches, f"{tmp}/{pipeline}-{i}-{r}",
-                           args.interval, args.query_per_batch, as_job)
+                           args.interval, args.query_per_batch, as_job, args.partitions)
                 best[name] = max(best.get(name, 0.0), rate)
                 print(f"  {pipeline} run {r + 1}: {name:40s} {rate:12,.0f} rows/s", flush=True)
         base = best[BASE]
-        print(f"\n{pipeline}: per_batch={args.per_batch:,} batches={args.batches} (best of {args.repeat})")
+        print(f"\n{pipeline}: per_batch={args.per_batch:,} batches={args.batches} partitions={args.partitions} "
+              f"(best of {args.repeat})")
         same = best[SAME]
         print(f"  (ratios: against {BASE!r} / against {SAME!r})")
         for name, rate in best.items():

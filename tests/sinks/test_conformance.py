@@ -15,7 +15,9 @@ Every transactional sink must keep each record's effect exactly once through:
 After each run an independent reader (not the sink's code) checks the output: every id
 exactly once, nothing dangling (orphan Parquet files or attempt directories, prepared
 transactions). Delta runs with both write paths: ``delta`` (Arrow, Spark's Python data source)
-and ``delta-jvm`` (Spark's Parquet writer under ``foreachBatch``, committed by the same code).
+and ``delta-jvm`` (Spark's Parquet writer under ``foreachBatch``, committed by the same code),
+each also on a table partitioned by ``p = id % 32`` (``-part``; the reader also checks every
+row's partition value).
 
 Kafka runs on tansu, which does not hide aborted transactions from read_committed readers
 (the sink's probe refuses exactly_once there; here it is bypassed). In these windows no
@@ -42,7 +44,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
-SINKS = ["delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka"]
+SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "postgres-two_phase", "postgres-idempotent", "kafka"]
 
 
 # ---- the sinks under test ----------------------------------------------------------------------
@@ -62,7 +64,7 @@ class Case:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def _delta_case(tmp_path: Path, writer: str = "arrow") -> Case:
+def _delta_case(tmp_path: Path, writer: str = "arrow", partitioned: bool = False) -> Case:
     from deltalake import DeltaTable
 
     from onceflow.verify.readers import delta_dangling
@@ -70,10 +72,16 @@ def _delta_case(tmp_path: Path, writer: str = "arrow") -> Case:
     table = tmp_path / "table"
 
     def read_ids() -> list[int]:
-        return DeltaTable(str(table)).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+        if not partitioned:
+            return DeltaTable(str(table)).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+        rows = DeltaTable(str(table)).to_pyarrow_table(columns=["id", "p"])
+        ids, parts = rows.column("id").to_pylist(), rows.column("p").to_pylist()
+        assert all(p == i % 32 for i, p in zip(ids, parts, strict=True)), "a row in the wrong partition"
+        return ids
 
-    kind = "delta" if writer == "arrow" else f"delta-{writer}"
-    return Case(kind, {"TABLE": str(table), "WRITER": writer}, read_ids, lambda: delta_dangling(str(table)))
+    kind = ("delta" if writer == "arrow" else f"delta-{writer}") + ("-part" if partitioned else "")
+    env = {"TABLE": str(table), "WRITER": writer} | ({"PARTITION": "p"} if partitioned else {})
+    return Case(kind, env, read_ids, lambda: delta_dangling(str(table)))
 
 
 def _postgres_case(pg, mode: str) -> Case:
@@ -138,7 +146,7 @@ def kafka_bootstrap() -> Iterator[str]:
 def case(request, tmp_path) -> Case:
     kind = request.param
     if kind.startswith("delta"):
-        return _delta_case(tmp_path, kind.partition("-")[2] or "arrow")
+        return _delta_case(tmp_path, "jvm" if "-jvm" in kind else "arrow", kind.endswith("-part"))
     if kind.startswith("postgres"):
         return _postgres_case(request.getfixturevalue("pg"), kind.split("-", 1)[1])
     return _kafka_case(request.getfixturevalue("kafka_bootstrap"))
@@ -154,7 +162,8 @@ def build_sink(env):
     kind = env["SINK_KIND"]
     if kind.startswith("delta"):
         from onceflow import DeltaSink
-        return DeltaSink(env["TABLE"], writer=env.get("WRITER", "arrow"))
+        return DeltaSink(env["TABLE"], writer=env.get("WRITER", "arrow"),
+                         partition_by=[env["PARTITION"]] if env.get("PARTITION") else None)
     if kind.startswith("postgres"):
         from onceflow import PostgresSink
         return PostgresSink(env["DSN"], env["PGTABLE"], mode=env["MODE"], create_table=True,
@@ -180,6 +189,8 @@ def source(spark):
 def transform(df):
     if KIND == "kafka":
         return df.selectExpr("CAST(id AS STRING) AS key", "CAST(id AS STRING) AS value")
+    if KIND.endswith("-part"):
+        return df.selectExpr("id", "id % 32 AS p")
     return df.select("id")
 
 
@@ -225,6 +236,8 @@ def _data_source(case: Case, tmp_path: Path):
                                  "TOTAL": "1", "PER_BATCH": "1", **case.env})
     if case.kind == "kafka":
         schema = StructType([StructField("key", StringType()), StructField("value", StringType())])
+    elif case.kind.endswith("-part"):
+        schema = StructType([StructField("id", LongType()), StructField("p", LongType())])
     else:
         schema = StructType([StructField("id", LongType())])
     ds = job.sink.data_source()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from urllib.parse import unquote
 
 import pyarrow as pa
 
@@ -73,8 +74,8 @@ def delta_dangling(table: str) -> list[str]:
         adds = pa.table(DeltaTable(table).get_add_actions(flatten=True)).column("path").to_pylist()
     except TableNotFoundError:
         adds = []
-    live = set(adds)
-    live_dirs = {p.split("/", 1)[0] for p in adds if "/" in p}
+    live = {unquote(p) for p in adds}  # the log's paths are URIs (partition directories escape)
+    live_dirs = {p.split("/", 1)[0] for p in live if "/" in p}
     out = []
     for name in os.listdir(table):
         if os.path.isdir(os.path.join(table, name)):

@@ -15,8 +15,9 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import lru_cache
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -134,3 +135,9 @@ def delta_schema(arrow_schema: pa.Schema):
     from deltalake import Schema
 
     return Schema.from_arrow(arrow_schema)
+
+
+def add_files(handles: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The data files of decision handles: a handle is one file, or (a partitioned task's
+    directory) lists its files under ``files``."""
+    return [f for h in handles for f in (h.get("files") or [h])]

@@ -27,6 +27,12 @@ Guarantee (exactly-once), step by step, and what a crash leaves:
    decides (epoch check and batch-undecided check in the same conditional log write), and
    cleans up. A driver of an older epoch is refused there (FencedError) and commits nothing.
 
+Partitioned tables: Spark's ``partitionBy`` writes Hive-style subdirectories of the attempt
+directory; each file's partition values are read back from its path (:mod:`.partitions`), and
+the decision checks them against the table's partitioning. Timestamp partition columns need
+the session time zone UTC (Spark writes them in that zone). With ``schema_mode="merge"``,
+narrower columns are cast to the table's type before the write.
+
 Only through :class:`~onceflow.Job` (the runner opens the sink and holds the epoch) on a
 classic Spark session, for tables on the local filesystem (Spark's Hadoop filesystem writes
 the files; the Delta log is still written by delta-rs).
@@ -39,13 +45,15 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from py4j.protocol import Py4JJavaError
 
-from onceflow.errors import SinkError
+from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import PreCommitted, TwoPhaseCommitWriter
-from onceflow.sinks.delta.files import dir_name
+from onceflow.sinks.delta.files import dir_name, to_arrow_schema
+from onceflow.sinks.delta.partitions import parse_directory
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -88,6 +96,8 @@ class JvmBatchWriter:
         self._batches = 0
         #: seconds of the last batch's steps (write, list, commit), for profiles
         self.last_profile: dict[str, float] = {}
+        #: Arrow types of the partition columns of the batch being written
+        self._types: dict[str, pa.DataType] = {}
 
     def __call__(self, df: DataFrame, batch_id: int) -> None:
         src, writer = self.source, self.writer
@@ -110,11 +120,13 @@ class JvmBatchWriter:
         if first:  # the stream's own session (cloned per query): set once
             for key, value in SESSION_CONF.items():
                 df.sparkSession.conf.set(key, value)
+        parts, df = self._shaped(df, lineage)
         options = {**WRITE_OPTIONS, **{f"parquet.enable.dictionary#{c}": "false" for c in self._plain}}
         self._make_dirs(name)
-        self._spark_write(batch_id, lambda: df.write.options(**options).mode("append").parquet(f"{src.table_url}/{name}"))
+        self._spark_write(batch_id, lambda: df.write.options(**options).partitionBy(*parts).mode("append")
+                          .parquet(f"{src.table_url}/{name}"))
         t1 = time.perf_counter()
-        handles = self._handles(name)
+        handles = self._handles(name, parts)
         t2 = time.perf_counter()
         maybe_crash("after_precommit", batch_id, None, src.opts)
         messages = [PreCommitted(lineage, batch_id, i, 0, h["rows"], h) for i, h in enumerate(handles)]
@@ -158,22 +170,46 @@ class JvmBatchWriter:
         fs, root = self.source._fs()
         fs.makedirs(f"{root}/{name}/{COMMITTER_DIRS}", exist_ok=True)
 
-    def _handles(self, name: str) -> list[dict[str, Any]]:
+    def _shaped(self, df: DataFrame, lineage: str) -> tuple[tuple[str, ...], DataFrame]:
+        """The table's partition columns (as the Arrow path resolves them) and ``df`` with
+        narrower columns cast to the table's types (``schema_mode="merge"``)."""
+        from pyspark.sql.pandas.types import from_arrow_type
+
+        parts, target, _ = self.source.write_plan(self.source._view(lineage), df.schema)
+        stream = to_arrow_schema(df.schema)
+        ts = [c for c in parts if pa.types.is_timestamp(target.field(c).type)]
+        zone = df.sparkSession.conf.get("spark.sql.session.timeZone")
+        if ts and zone not in ("UTC", "Etc/UTC", "GMT", "Z", "+00:00"):
+            raise ConfigError(f"onceflow-delta: writer='jvm' partitions by timestamp column(s) {', '.join(ts)} "
+                              f"only with spark.sql.session.timeZone=UTC (it is {zone}); set it, partition "
+                              "by a date or string derived in the transform, or use writer='arrow'")
+        casts = {f.name: from_arrow_type(f.type) for f in target if stream.field(f.name).type != f.type
+                 and not pa.types.is_timestamp(f.type)}
+        self._types = {c: target.field(c).type for c in parts}
+        return parts, (df.withColumns({c: df[c].cast(t) for c, t in casts.items()}) if casts else df)
+
+    def _handles(self, name: str, parts: tuple[str, ...] = ()) -> list[dict[str, Any]]:
         """The attempt directory's data files as handles (path relative to the table, size,
-        rows, mtime). Empty files are left out in append mode (nothing to add)."""
+        rows, mtime; for a partitioned table the partition values read from the path). Empty
+        files are left out in append mode (nothing to add), and always when partitioned."""
         fs, root = self.source._fs()
         now = int(time.time() * 1000)
         handles, footers = [], []
-        for entry in fs.ls(f"{root}/{name}", detail=True):
-            base = entry["name"].rstrip("/").rsplit("/", 1)[-1]
-            if entry.get("type") != "file" or base.startswith(("_", ".")) or not base.endswith(".parquet"):
+        entries = fs.find(f"{root}/{name}", detail=True).values() if parts else fs.ls(f"{root}/{name}", detail=True)
+        for entry in entries:
+            rel = entry["name"].rstrip("/")[len(root.rstrip("/")) + len(name) + 2:]
+            base = rel.rsplit("/", 1)[-1]
+            if (entry.get("type") != "file" or not base.endswith(".parquet")
+                    or any(seg.startswith(("_", ".")) for seg in rel.split("/"))):
                 continue
             with fs.open(entry["name"], "rb") as f:
                 footer = pq.read_metadata(f)
             footers.append(footer)
-            if footer.num_rows or self.overwrite:
-                handles.append({"path": f"{name}/{base}", "size": int(entry["size"]),
-                                "rows": footer.num_rows, "mtime": now})
+            if footer.num_rows or (self.overwrite and not parts):
+                handle = {"path": f"{name}/{rel}", "size": int(entry["size"]), "rows": footer.num_rows, "mtime": now}
+                if parts:
+                    handle["partition"] = parse_directory(rel, self._types)
+                handles.append(handle)
         self._learn_encodings(footers)
         return sorted(handles, key=lambda h: h["path"])
 

@@ -15,8 +15,10 @@ successor's epoch, a replaced table) makes the caller load a delta-rs snapshot a
 Every ``delta.checkpointInterval`` versions (default 100) the caller has delta-rs write a
 checkpoint and remove expired log entries, which delta-rs's post-commit hook would do.
 
-Used only for local tables, appends, and protocols that need nothing but add actions (writer
-version 2 or lower, no partition columns); every other commit goes through delta-rs.
+Used only for local tables, appends, and protocols that need nothing but add actions and
+metaData (writer version 2 or lower, no table features); every other commit goes through
+delta-rs. Partitioned tables included: each add carries its ``partitionValues``. A schema merge
+(``schema_mode="merge"``) writes a ``metaData`` action with the merged schema in the same entry.
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ class LogSnapshot:
     version: int
     ident: tuple[int, int]  # (inode, mtime_ns) of the version's log entry
     txns: Mapping[str, int | None] = field(default_factory=dict)
+    #: the table's metaData action at this version (``schemaString``, ``partitionColumns``...)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def partition_columns(self) -> tuple[str, ...]:
+        return tuple(self.metadata.get("partitionColumns") or ())
+
+    @property
+    def schema_json(self) -> str:
+        return str(self.metadata["schemaString"])
 
     def transaction_version(self, app_id: str) -> int | None:
         """As :meth:`deltalake.DeltaTable.transaction_version` at this snapshot's version."""
@@ -95,15 +107,15 @@ class LocalLog:
         version = table.version()
         protocol, metadata = table.protocol(), table.metadata()
         config = metadata.configuration
-        self.eligible = (protocol.min_writer_version <= 2 and not protocol.writer_features
-                         and not metadata.partition_columns)
+        self.eligible = protocol.min_writer_version <= 2 and not protocol.writer_features
         try:
             self.interval = max(1, int(config.get("delta.checkpointInterval") or 100))
         except ValueError:
             self.interval = 100
         self.cleanup = str(config.get("delta.enableExpiredLogCleanup", "true")).lower() != "false"
         try:
-            snap = LogSnapshot(version, self._ident(version), {a: table.transaction_version(a) for a in apps})
+            snap = LogSnapshot(version, self._ident(version), {a: table.transaction_version(a) for a in apps},
+                               metadata_of(table))
         except FileNotFoundError:  # replaced while we looked: the caller loads it again
             return None
         with self._lock:
@@ -111,19 +123,26 @@ class LocalLog:
         return snap if self.eligible and self.links else None
 
     def append(self, snap: LogSnapshot, adds: list[dict[str, Any]], app_id: str, app_version: int,
-               meta: dict[str, Any]) -> LogSnapshot | None:
-        """Commit version ``snap.version + 1``: the adds (handles: path, size, rows, mtime),
-        the app transaction and onceflow's commit info. None when that version exists (the
-        log moved since ``snap``, or the filesystem has no hard links: nothing was committed).
-        Any other failure to write (a full disk) raises OSError, with nothing committed."""
+               meta: dict[str, Any], schema_json: str | None = None) -> LogSnapshot | None:
+        """Commit version ``snap.version + 1``: the adds (files: path, size, rows, mtime,
+        partition values), the app transaction, onceflow's commit info and, with
+        ``schema_json``, a metaData action carrying that schema. None when that version exists
+        (the log moved since ``snap``, or the filesystem has no hard links: nothing was
+        committed). Any other failure to write (a full disk) raises OSError, with nothing
+        committed."""
         now = int(time.time() * 1000)
+        metadata = dict(snap.metadata)
+        if schema_json is not None:
+            metadata["schemaString"] = schema_json
         lines = [
             {"commitInfo": {"timestamp": now, "operation": "WRITE",
-                            "operationParameters": {"mode": "Append", "partitionBy": "[]"},
+                            "operationParameters": {"mode": "Append",
+                                                    "partitionBy": json.dumps(list(snap.partition_columns))},
                             "engineInfo": f"onceflow/{__version__}", "onceflow": json.dumps(meta),
                             "clientVersion": f"onceflow-{__version__}"}},
-            *({"add": {"path": quote(h["path"], safe="/"), "partitionValues": {}, "size": h["size"],
-                       "modificationTime": h["mtime"], "dataChange": True,
+            *([{"metaData": metadata}] if schema_json is not None else []),
+            *({"add": {"path": quote(h["path"], safe="/="), "partitionValues": h.get("partition") or {},
+                       "size": h["size"], "modificationTime": h["mtime"], "dataChange": True,
                        "stats": json.dumps({"numRecords": h["rows"]})}} for h in adds),
             {"txn": {"appId": app_id, "version": app_version, "lastUpdated": now}},
         ]
@@ -147,10 +166,19 @@ class LocalLog:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        new = LogSnapshot(version, self._ident(version), {**snap.txns, app_id: app_version})
+        new = LogSnapshot(version, self._ident(version), {**snap.txns, app_id: app_version}, metadata)
         with self._lock:
             self._snap = new
         return new
+
+
+def metadata_of(table: DeltaTable) -> dict[str, Any]:
+    """The table's current metaData action, as the log holds it."""
+    m = table.metadata()
+    return {"id": m.id, "name": m.name, "description": m.description,
+            "format": {"provider": "parquet", "options": {}}, "schemaString": table.schema().to_json(),
+            "partitionColumns": list(m.partition_columns), "createdTime": m.created_time,
+            "configuration": dict(m.configuration)}
 
 
 _LOGS: dict[str, LocalLog] = {}

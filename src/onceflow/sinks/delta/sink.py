@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +32,11 @@ class DeltaSink(Sink):
     on a classic session, local tables), ``arrow`` (a Python data source: any URL, Spark
     Connect, also plain ``writeStream``), or ``auto`` (default: ``jvm`` where it runs, else
     ``arrow``; decided when the job starts). Both exactly-once; docs/delta-sink.md.
+    ``partition_by``: partition columns of a table the sink creates (Hive-style directories);
+    an existing table keeps its own partitioning and a different ``partition_by`` is refused.
+    ``schema_mode``: ``strict`` (default; the stream's columns must be the table's) or
+    ``merge`` (new columns are added as nullable, narrower types widened, in the commit of
+    the batch that brings them).
     """
 
     path: str
@@ -39,6 +44,8 @@ class DeltaSink(Sink):
     sink_id: str = "delta"
     storage_options: Mapping[str, Any] | None = None
     writer: Literal["auto", "arrow", "jvm"] = "auto"
+    partition_by: Sequence[str] | None = None
+    schema_mode: Literal["strict", "merge"] = "strict"
 
     format_name = "onceflow-delta"
 
@@ -46,6 +53,12 @@ class DeltaSink(Sink):
         self.storage_options = as_options(self.storage_options, "DeltaSink.storage_options")
         if self.writer not in WRITERS:
             raise ConfigError(f"DeltaSink.writer={self.writer!r}; use 'auto', 'arrow' or 'jvm'")
+        if isinstance(self.partition_by, str):
+            self.partition_by = [self.partition_by]
+        if self.partition_by is not None and not all(isinstance(c, str) and c for c in self.partition_by):
+            raise ConfigError(f"DeltaSink.partition_by={self.partition_by!r}; give a list of column names")
+        if self.schema_mode not in ("strict", "merge"):
+            raise ConfigError(f"DeltaSink.schema_mode={self.schema_mode!r}; use 'strict' or 'merge'")
 
     def options(self) -> dict[str, str]:
         opts = {"path": str(self.path), "sink_id": self.sink_id}
@@ -53,6 +66,10 @@ class DeltaSink(Sink):
             opts["mode"] = self.mode
         if self.writer == "jvm":
             opts["writer"] = self.writer
+        if self.partition_by is not None:
+            opts["partition_by"] = json.dumps(list(self.partition_by))
+        if self.schema_mode != "strict":
+            opts["schema_mode"] = self.schema_mode
         resolved = resolve(str(self.path), self.storage_options)  # executors have no job
         if resolved:
             opts["storage_options"] = json.dumps(resolved)

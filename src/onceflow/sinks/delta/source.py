@@ -21,6 +21,12 @@ name; recovery deletes only orphans of older epochs, so a zombie never deletes a
 
 Modes: ``append`` adds the batch's rows; ``complete`` replaces the table's contents with the
 batch's result in the same single commit. Guarantee for both: exactly-once.
+
+Partitioning (:mod:`.partitions`) and schema (:mod:`.evolution`) are those of the snapshot the
+decision commits on: every add must carry exactly that snapshot's partition columns and the
+stream's columns must fit its schema (or, with ``schema_mode=merge``, the commit adds them by a
+metaData action), else nothing is committed. So a table whose partitioning or schema changed
+between the tasks' writes and the decision never gets files of the other shape.
 """
 
 from __future__ import annotations
@@ -35,20 +41,20 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable, Transaction
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from deltalake.transaction import AddAction, create_table_with_add_actions
 from pyspark.sql.types import StructType
 
-from onceflow.errors import ConfigError, SinkError
+from onceflow.errors import ConfigError, OnceflowError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.sinks.delta.evolution import SCHEMA_MODES, arrow_of, merged_schema_json, plan
 from onceflow.sinks.delta.files import (
+    add_files,
     commit_meta,
-    compatible,
     delta_schema,
-    dictionary_columns,
+    dir_name,
     file_name,
     parse_unit,
     remove_units,
@@ -56,6 +62,8 @@ from onceflow.sinks.delta.files import (
     unit,
 )
 from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
+from onceflow.sinks.delta.partitions import check_columns, parse_partition_by
+from onceflow.sinks.delta.tasks import write_file, write_partitioned
 from onceflow.storage import as_options, delta_target, normalize_url, scheme_of, url_to_fs
 
 log = logging.getLogger(__name__)
@@ -82,6 +90,10 @@ class DeltaDataSource(TwoPhaseCommitSink):
         "storage_options": "JSON object of object-store options, fsspec or delta-rs keys "
                            "(default: the job's, else ONCEFLOW_STORAGE_OPTIONS; docs/object-stores.md)",
         "writer": "arrow (default) or jvm (Spark's Parquet writer per batch; DeltaSink in a Job only)",
+        "partition_by": "partition columns of a new table, a JSON list or comma-separated (default: "
+                        "the existing table's; a different one is refused)",
+        "schema_mode": "strict (default: the stream's columns are the table's) or merge (add new "
+                       "nullable columns, widen narrower types, in the batch's own commit)",
     }
 
     def __init__(self, options):
@@ -102,6 +114,10 @@ class DeltaDataSource(TwoPhaseCommitSink):
             self.row_group_rows = int(self.opts.get("row_group_rows", 1_000_000))
         except ValueError:
             raise ConfigError("onceflow-delta: row_group_rows must be a whole number") from None
+        self.partition_by = parse_partition_by(self.opts.get("partition_by"))
+        self.schema_mode = self.opts.get("schema_mode") or "strict"
+        if self.schema_mode not in SCHEMA_MODES:
+            raise ConfigError(f"onceflow-delta: schema_mode={self.schema_mode!r}; use 'strict' or 'merge'")
 
     def app_id(self, lineage: str) -> str:
         return f"onceflow-{self.sink_id}-{lineage}"
@@ -195,6 +211,37 @@ class DeltaDataSource(TwoPhaseCommitSink):
             log.warning("onceflow-delta: checkpoint of %s at version %d failed (retried in %d "
                         "versions): %s", self.table_url, version, local.interval, e)
 
+    # ---- partitioning and schema ------------------------------------------------------
+
+    @staticmethod
+    def _shape(view: LogSnapshot | DeltaTable | None) -> tuple[tuple[str, ...], str] | None:
+        """(partition columns, Delta schema string) of the table at ``view``; None: no table."""
+        if view is None:
+            return None
+        if isinstance(view, LogSnapshot):
+            return view.partition_columns, view.schema_json
+        return tuple(view.metadata().partition_columns), view.schema().to_json()
+
+    def write_plan(self, view: LogSnapshot | DeltaTable | None, schema: StructType
+                   ) -> tuple[tuple[str, ...], pa.Schema, list[str]]:
+        """(partition columns, schema of the files, stream columns the table lacks) for a
+        write of ``schema`` to the table at ``view``: the existing table's partitioning (a
+        different ``partition_by`` is refused), else ``partition_by``."""
+        stream = to_arrow_schema(schema)
+        shape = self._shape(view)
+        if shape is None:
+            parts = self.partition_by or ()
+            check_columns(stream, parts, "onceflow-delta")
+            return parts, stream, []
+        parts, schema_json = shape
+        if self.partition_by is not None and tuple(self.partition_by) != parts:
+            raise ConfigError(
+                f"onceflow-delta: partition_by={list(self.partition_by)} but table {self.table_url} "
+                f"is partitioned by {list(parts)}; leave partition_by out (the table's is used) or use a new table")
+        target, new = plan(stream, arrow_of(schema_json), self.schema_mode, "onceflow-delta", self.table_url)
+        check_columns(target, parts, "onceflow-delta")
+        return parts, target, new
+
     # ---- validation -----------------------------------------------------------------
 
     def _mode(self, overwrite: bool) -> str:
@@ -233,68 +280,49 @@ class DeltaDataSource(TwoPhaseCommitSink):
                     f"onceflow-delta: {self.table_url} exists and is not a Delta table (no "
                     "_delta_log); give an empty or new directory, or an existing Delta table"
                 )
+            self.write_plan(None, schema)
             try:
                 fs.makedirs(path, exist_ok=True)
             except OSError as e:
                 raise ConfigError(f"onceflow-delta: cannot create {self.table_url}: {e}") from None
             return
-        want = to_arrow_schema(schema)
-        have = pa.schema(table.schema().to_arrow())
-        want_cols = {f.name: f.type for f in want}
-        have_cols = {f.name: pa.field(f.name, f.type).type for f in have}
-        if want_cols.keys() != have_cols.keys():
-            raise ConfigError(
-                f"onceflow-delta: the stream's columns {sorted(want_cols)} do not match table "
-                f"{self.table_url} columns {sorted(have_cols)}; select matching columns or use a new table"
-            )
-        bad = [
-            f"{n} ({want_cols[n]} vs table {have_cols[n]})"
-            for n in want_cols
-            if not compatible(want_cols[n], have_cols[n])
-        ]
-        if bad:
-            raise ConfigError(
-                f"onceflow-delta: column types differ from table {self.table_url}: {', '.join(bad)}; "
-                "cast them in the transform or use a new table"
-            )
+        _, _, new = self.write_plan(table, schema)
+        if new and not overwrite:
+            protocol = table.protocol()
+            if scheme_of(self.table_url) not in ("", "file") or protocol.min_writer_version > 2 \
+                    or protocol.writer_features:
+                raise ConfigError(
+                    f"onceflow-delta: schema_mode='merge' adds columns {', '.join(new)} in the batch's "
+                    f"own commit, supported so far for appends to local tables of writer version 2 "
+                    f"(not {self.table_url}); add them with ALTER TABLE first, or use complete mode")
 
     # ---- tasks ----------------------------------------------------------------------
 
     def is_decided(self, lineage: str, batch_id: int) -> bool:
         view = self._view(lineage)
+        self.__dict__["_task_view"] = view  # what this task's pre_commit writes for
         if view is None:
             return False
         version = view.transaction_version(self.app_id(lineage))
         return version is not None and version >= batch_id
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
-        arrow_schema = to_arrow_schema(schema)
-        name = file_name(task, self.epoch)
+        """One file (unpartitioned) or one directory of partition files (:mod:`.tasks`), in
+        the partitioning and schema of the table as this task saw it (decide checks both)."""
+        view = self.__dict__.pop("_task_view", None) or self._view(task.lineage)
+        parts, target, _ = self.write_plan(view, schema)
         fs, path = self._fs()
-        rows = 0
-        full = f"{path}/{name}"
         fs.makedirs(path, exist_ok=True)
-        with fs.open(full, "wb") as f:
-            writer = None
-            try:
-                for batch in batches:
-                    if batch.num_rows:
-                        batch = batch.cast(arrow_schema) if batch.schema != arrow_schema else batch
-                        if writer is None:
-                            writer = pq.ParquetWriter(f, arrow_schema, compression="snappy",
-                                                      use_dictionary=dictionary_columns(batch))
-                        writer.write_batch(batch, row_group_size=self.row_group_rows)
-                        rows += batch.num_rows
-            finally:
-                if writer is None:  # no rows: a valid, empty file (complete mode keeps it)
-                    writer = pq.ParquetWriter(f, arrow_schema, compression="snappy")
-                writer.close()
+        if parts:
+            name = dir_name(task.lineage, self.epoch, task.batch_id)
+            files, rows = write_partitioned(fs, path, name, target, parts, batches, self.row_group_rows, overwrite)
+            return ({"path": name, "files": files, "rows": rows} if files else None), rows
+        name = file_name(task, self.epoch)
+        rows = write_file(fs, f"{path}/{name}", target, batches, self.row_group_rows, overwrite)
         if rows == 0 and not overwrite:
-            fs.rm(full)
             return None, 0
-        size = fs.size(full)
-        handle = {"path": name, "size": size, "rows": rows, "mtime": int(time.time() * 1000)}
-        return handle, rows
+        return {"path": name, "size": fs.size(f"{path}/{name}"), "rows": rows,
+                "mtime": int(time.time() * 1000)}, rows
 
     # ---- driver ---------------------------------------------------------------------
 
@@ -330,9 +358,11 @@ class DeltaDataSource(TwoPhaseCommitSink):
                     if self.write_schema is None:
                         raise ConfigError(f"onceflow-delta: {self.table_url} does not exist and the "
                                           "stream's schema is unknown; start the query to create it")
+                    parts, _, _ = self.write_plan(None, self.write_schema)
                     create_table_with_add_actions(
                         self._delta_url, delta_schema(to_arrow_schema(self.write_schema)), [],
-                        mode="append", storage_options=self._delta_opts, commit_properties=props)
+                        mode="append", partition_by=list(parts) or None,
+                        storage_options=self._delta_opts, commit_properties=props)
                 else:
                     table.create_write_transaction([], "append", pa.schema(table.schema().to_arrow()),
                                                    commit_properties=props)
@@ -383,44 +413,77 @@ class DeltaDataSource(TwoPhaseCommitSink):
                     return  # our own earlier attempt landed
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current,
                              f"{what} (already decided by another commit)")
+            files = add_files(decision.handles)
+            schema_json = self._decided_shape(view, files, schema)
             try:
                 if isinstance(view, LogSnapshot):
                     assert local is not None
-                    landed = local.append(view, decision.handles, app, decision.batch_id, meta)
+                    landed = local.append(view, files, app, decision.batch_id, meta, schema_json)
                     if landed is None:
                         continue  # the log moved (or cannot take links): read it again
                     self._remember(decision)
                     self._checkpoint_log(local, landed.version)
                     return
-                self._commit_with_delta_rs(view, decision, meta, overwrite, schema)
+                if schema_json is not None and not overwrite:
+                    raise ConfigError(
+                        f"onceflow-delta: batch {decision.batch_id} adds columns to {self.table_url}, "
+                        "which only a local table of writer version 2 on a filesystem with hard links "
+                        "takes in the batch's own commit; nothing was committed: add the columns first")
+                self._commit_with_delta_rs(view, files, decision, meta, overwrite, schema)
                 self._remember(decision)
                 return
             except CommitFailedError:
                 continue
+            except OnceflowError:
+                raise
             except Exception as e:  # noqa: BLE001 - delta-rs raises several types; say what failed
                 raise SinkError(f"onceflow-delta: commit of batch {decision.batch_id} to "
                                 f"{self.table_url} failed: {e}") from e
         raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
                         f"attempts to commit batch {decision.batch_id}; retried by the restart strategy")
 
-    def _commit_with_delta_rs(self, table: DeltaTable, decision: Decision, meta: dict[str, Any],
-                              overwrite: bool, schema: StructType) -> None:
+    def _decided_shape(self, view: LogSnapshot | DeltaTable | None, files: list[dict[str, Any]],
+                       schema: StructType) -> str | None:
+        """Check the decision against the snapshot it commits on: every file carries exactly
+        its partition columns, and the stream fits its schema. The merged schema string when
+        ``schema_mode=merge`` adds columns (the commit writes it as a metaData action), else None.
+        A mismatch raises SinkError (the tasks wrote for another shape of the table: the batch
+        is written again after the restart) or ConfigError; nothing is committed."""
+        shape = self._shape(view)
+        if shape is None:
+            return None
+        parts, schema_json = shape
+        wrong = sorted({f["path"] for f in files if tuple(sorted(f.get("partition") or {})) != tuple(sorted(parts))})
+        if wrong:
+            raise SinkError(
+                f"onceflow-delta: table {self.table_url} is partitioned by {list(parts)} but the batch's "
+                f"files were written for another partitioning ({wrong[0]}...); nothing was committed "
+                "(the restart writes the batch again for the table as it is)")
+        _, _, new = self.write_plan(view, schema)
+        return merged_schema_json(schema_json, to_arrow_schema(schema), new) if new else None
+
+    def _commit_with_delta_rs(self, table: DeltaTable, files: list[dict[str, Any]], decision: Decision,
+                              meta: dict[str, Any], overwrite: bool, schema: StructType) -> None:
         """One delta-rs commit on top of exactly ``table``'s version (CommitFailedError when
         anything landed since)."""
         adds = [
             AddAction(
-                path=h["path"], size=h["size"], partition_values={}, modification_time=h["mtime"],
-                data_change=True, stats=json.dumps({"numRecords": h["rows"]}),
+                path=h["path"], size=h["size"], partition_values=h.get("partition") or {},
+                modification_time=h["mtime"], data_change=True, stats=json.dumps({"numRecords": h["rows"]}),
             )
-            for h in decision.handles
+            for h in files
         ]
+        parts, _, new = self.write_plan(table, schema)
+        written = to_arrow_schema(schema)
+        if new or self.schema_mode == "merge":  # the table's types and any new columns
+            written = arrow_of(merged_schema_json(table.schema().to_json(), written, new))
         props = CommitProperties(
             custom_metadata={"onceflow": json.dumps(meta)},
             app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],
             max_commit_retries=0,
         )
-        table.create_write_transaction(adds, "overwrite" if overwrite else "append",
-                                       to_arrow_schema(schema), commit_properties=props)
+        table.create_write_transaction(adds, "overwrite" if overwrite else "append", written,
+                                       partition_by=list(parts) or None, commit_properties=props)
 
     def _decided_here(self, lineage: str) -> OrderedDict[int, frozenset[str]]:
         """The files of the last :data:`_DECIDED_KEPT` batches decided under this driver's
