@@ -145,3 +145,15 @@ def test_a_record_being_written_counts_as_held_until_it_lapses(tmp_path):
     lease = DriverLease(str(tmp_path), "job", ttl_s=1, renew_s=0.2).acquire()
     assert lease.epoch == 2 and time.monotonic() - t0 >= 1.0
     lease.release()
+
+
+def test_a_holder_that_has_not_renewed_for_its_ttl_knows_it_by_its_own_clock(tmp_path):
+    """No renewal is due for an hour, so none succeeds: after the TTL the holder's own check
+    says it lost the lease (before, check() only looked for a newer epoch)."""
+    lease = DriverLease(str(tmp_path), "job", ttl_s=0.5, renew_s=3600).acquire()
+    lease.check()
+    time.sleep(0.6)
+    with pytest.raises(FencedError, match="could not be renewed for 0.5s"):
+        lease.check()
+    assert lease.lost.is_set()
+    lease.release()

@@ -150,8 +150,9 @@ def test_clocks_minutes_apart_neither_steal_a_live_lease_nor_keep_a_dead_one(tmp
     ckpt = tmp_path / "ckpt"
     holder = parties("holder", "hold", ckpt, hostname="host-a")
     assert holder.wait_for("holding")["epoch"] == 1
-    ahead = parties("ahead", "hold", ckpt, "wait=60", hostname="host-b", skew_s=300)
-    behind = parties("behind", "hold", ckpt, "wait=60", hostname="host-c", skew_s=-300)
+    # (their TTL of 3 s makes them wait longer than the checker: it sees the lapse first)
+    ahead = parties("ahead", "hold", ckpt, "wait=60", "ttl=3", hostname="host-b", skew_s=300)
+    behind = parties("behind", "hold", ckpt, "wait=60", "ttl=3", hostname="host-c", skew_s=-300)
     # the commit-time check of a query over Spark Connect, on a server 300 s ahead
     checker = parties("check", "check", ckpt, "epoch=1", hostname="connect", skew_s=300)
     ahead.wait_for("log", msg="standing by")
@@ -162,11 +163,36 @@ def test_clocks_minutes_apart_neither_steal_a_live_lease_nor_keep_a_dead_one(tmp
     assert not checker.seen("refused"), checker.seen("refused")[:1]
     holder.kill()
     died = time.time()
-    lapsed = checker.wait_for("refused", timeout=30)
-    assert lapsed["kind"] == "DriverLeaseLapsed" and "by this host's clock" in lapsed["error"]
+    stopped = checker.wait_for("refused", timeout=30)  # the query stops: lapsed (or a successor came)
+    assert stopped["kind"] == "FencedError" or "by this host's clock" in stopped["error"], stopped
     deadline = time.monotonic() + 30
     while not (ahead.seen("holding") or behind.seen("holding")) and time.monotonic() < deadline:
         time.sleep(0.05)
     successors = ahead.seen("holding") + behind.seen("holding")
     assert [s["epoch"] for s in successors] == [2], successors  # one of them, within seconds
     assert time.time() - died < 30
+
+
+def test_a_commit_check_that_looks_only_now_and_then_judges_by_the_holders_elapsed_time(tmp_path, parties):
+    """The commit-time check runs once per batch. A check that last looked before the
+    driver's final renewals sees that record for the first time after the driver died: the
+    record's held_s (the holder's own elapsed time) still proves the silence. A live driver
+    checked as rarely is never refused. (A design test: the old wall-clock check passed it.)"""
+    from onceflow.checkpoint.lease import check_driver_lease
+    from onceflow.errors import DriverLeaseLapsed
+
+    ckpt = tmp_path / "ckpt"
+    record = ckpt / "_onceflow" / "lease" / f"{1:012d}.json"
+    holder = parties("holder", "hold", ckpt, "renew=0.1", container=False)
+    assert holder.wait_for("holding")["epoch"] == 1
+    check_driver_lease(str(ckpt), 1, TTL)
+    for _ in range(3):  # checks further apart than the lapse time: the live driver passes
+        time.sleep(1.5 * TTL)
+        check_driver_lease(str(ckpt), 1, TTL)
+    renewals = json.loads(record.read_text())["renewals"]
+    while json.loads(record.read_text())["renewals"] < renewals + 3:  # renewals this check never sees
+        time.sleep(0.05)
+    holder.kill()
+    time.sleep(1.5 * TTL)
+    with pytest.raises(DriverLeaseLapsed, match="has not renewed its lease"):
+        check_driver_lease(str(ckpt), 1, TTL)

@@ -285,10 +285,11 @@ class DriverLease:
                                lambda record=record: write_whole(self.fs, self._path(self.epoch or 0), record))
                     self._renewed_at = started
                 except Exception as e:  # every error: an outage to wait out, up to the TTL
-                    left = self._renewed_at + self.ttl_s - identity.clock()
-                    log.warning("lease renewal of epoch %s failed (%s: %s); the driver keeps its "
-                                "lease for %.1fs more and retries in %.1fs", self.epoch, type(e).__name__,
-                                e, max(0.0, left), min(self.renew_s, max(0.0, left)))
+                    left = max(0.0, self._renewed_at + self.ttl_s - identity.clock())
+                    what = str(e) if isinstance(e, StoreUnavailable) else f"{type(e).__name__}: {e}"
+                    log.warning("lease renewal of epoch %s failed (%s); the driver keeps its lease for "
+                                "%.1fs more and retries in %.1fs", self.epoch, what, left,
+                                min(self.renew_s, left))
         except BaseException as e:  # never die silently: a holder that cannot renew gives up
             log.exception("the lease renewal thread of epoch %s failed", self.epoch)
             self._lose(f"the lease renewal thread failed ({type(e).__name__}: {e})")
