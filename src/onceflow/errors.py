@@ -76,6 +76,19 @@ class GaveUp(OnceflowError):
     """The restart strategy gave up after repeated query failures."""
 
 
+class StoreUnavailable(OnceflowError):
+    """A store (the checkpoint's filesystem or object store) failed to answer: an outage.
+
+    Not fatal: whoever gets it waits and retries (one log line per attempt) or lets the
+    restart strategy do so. ``cause`` is the storage library's own exception."""
+
+    fatal = False
+
+    def __init__(self, message: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.cause = cause
+
+
 class InjectedCrash(RuntimeError):
     """Raised by a fault-injection point configured for tests (never in production)."""
 
@@ -84,7 +97,7 @@ class InjectedCrash(RuntimeError):
 #: raised inside Spark (a task or the commit runner) -> the class to re-raise in the driver.
 BY_NAME: dict[str, type[OnceflowError]] = {
     c.__name__: c for c in (ConfigError, CheckpointError, FingerprintMismatch, ReplayMismatch, FencedError, SinkError, SourceError,
-                                 DriverLeaseLapsed)
+                                 DriverLeaseLapsed, StoreUnavailable)
 }
 
 

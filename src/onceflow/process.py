@@ -1,9 +1,14 @@
-"""Processes, through psutil: a process's start time, a process group's members and memory,
-whether a process is stopped by a signal, the executor JVM a task runs under.
+"""Processes: a process's start, a process group's members and memory, whether a process is
+stopped by a signal, the executor JVM a task runs under.
 
-Shared by the supervisor, ``onceflow stop``, the fault injector and the Kafka sink's turns.
-Each reader returns None (or an empty answer) when the process is gone or cannot be read; it
-never raises for a process that exits while it looks.
+Shared by the supervisor, the lease, ``onceflow stop``, scratch space, the fault injector and
+the Kafka sink's turns. Each reader returns None (or an empty answer) when the process is gone
+or cannot be read; it never raises for a process that exits while it looks.
+
+All through psutil, except a process's start: it is read as the kernel keeps it, in clock
+ticks since boot (``/proc/PID/stat``). psutil turns that into wall-clock seconds with the boot
+time, which the kernel derives from the wall clock: after a clock step the same process
+would get another start time, and a live process would pass for a reused pid.
 """
 
 from __future__ import annotations
@@ -13,11 +18,26 @@ import os
 import psutil
 
 
-def start_time(pid: int) -> float | None:
-    """When ``pid`` started (seconds since the epoch, as the kernel records it; stable for one
-    process). With the host it tells a live process from a later one that reuses its pid."""
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` after the command name ([0] the state, [19] the start
+    in clock ticks since boot); None when unreadable (gone, or no /proc)."""
     try:
-        return round(psutil.Process(pid).create_time(), 2)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()
+    except (OSError, ValueError):
+        return None
+
+
+def start_time(pid: int | str) -> int | None:
+    """When ``pid`` (or ``"self"``) started, in clock ticks since boot: stable for one process
+    whatever the wall clock does, and different for a later process that reuses the pid. Where
+    there is no /proc, psutil's creation time in centiseconds."""
+    fields = stat_fields(pid)
+    if fields is not None and len(fields) > 19:
+        return int(fields[19])
+    try:
+        return round(psutil.Process(None if pid == "self" else int(pid)).create_time() * 100)
     except (psutil.Error, ValueError):
         return None
 

@@ -7,6 +7,7 @@ pin what it promises on a real filesystem, without Spark.
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -41,16 +42,49 @@ def test_takeover_fences_the_old_holder_and_its_renewals_never_overwrite_the_new
     new.release()
 
 
-def test_a_holder_on_another_host_counts_as_gone_only_after_its_ttl(tmp_path):
+def _old_record(lease_dir, epoch: int, renewed: float, host: str = "elsewhere") -> None:
+    """A record as onceflow wrote it before holder identities (no "format")."""
+    (lease_dir / f"{epoch:012d}.json").write_text(json.dumps(
+        {"token": "x", "epoch": epoch, "host": host, "pid": 1, "job": "job", "renewed": renewed}))
+
+
+def test_a_silent_record_of_another_host_lapses_once_seen_unchanged_for_its_ttl_whatever_its_time(tmp_path):
+    """Its timestamp is an hour in the future (its host's clock runs ahead): before, it was
+    held for that hour. Now this process times the lapse on its own clock."""
     lease_dir = tmp_path / "_onceflow" / "lease"
     lease_dir.mkdir(parents=True)
-    record = {"token": "x", "epoch": 7, "host": "elsewhere", "pid": 1, "job": "job", "renewed": time.time()}
-    (lease_dir / "000000000007.json").write_text(json.dumps(record))
-    with pytest.raises(FencedError, match="elsewhere"):
-        DriverLease(str(tmp_path), "job", ttl_s=2).acquire()
-    (lease_dir / "000000000007.json").write_text(json.dumps({**record, "renewed": time.time() - 3}))
-    lease = DriverLease(str(tmp_path), "job", ttl_s=2).acquire()
-    assert lease.epoch == 8
+    _old_record(lease_dir, 7, time.time() + 3600)
+    assert DriverLease(str(tmp_path), "probe").holder()["epoch"] == 7  # not watched long enough yet
+    t0 = time.monotonic()
+    lease = DriverLease(str(tmp_path), "job", ttl_s=1, renew_s=0.2).acquire()
+    assert lease.epoch == 8 and time.monotonic() - t0 >= 1.0  # watched it for at least the TTL
+    lease.release()
+
+
+def test_a_renewing_record_of_an_earlier_version_is_held_whatever_its_time(tmp_path):
+    """A rolling upgrade: a driver of the previous version renews its old-format record, its
+    host's clock 10 minutes behind. Before, that record counted as lapsed at once."""
+    lease_dir = tmp_path / "_onceflow" / "lease"
+    lease_dir.mkdir(parents=True)
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(0.1):
+            _old_record(lease_dir, 3, time.time() - 600)
+
+    _old_record(lease_dir, 3, time.time() - 600)
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    try:
+        with pytest.raises(FencedError, match="already running"):
+            DriverLease(str(tmp_path), "job", ttl_s=1, renew_s=0.2).acquire()
+        assert DriverLease(str(tmp_path), "probe").holder(settle=True)["epoch"] == 3
+    finally:
+        stop.set()
+        renewer.join()
+    # seen renewing a moment ago: refused at once, taken once silent for the lapse time
+    lease = DriverLease(str(tmp_path), "job", ttl_s=1, renew_s=0.2).acquire(wait_s=30)
+    assert lease.epoch == 4
     lease.release()
 
 
@@ -75,26 +109,51 @@ def test_a_lease_that_cannot_be_renewed_is_lost_after_its_ttl(tmp_path):
         lease.check()
 
 
-def test_a_driver_can_wait_for_another_hosts_lease_to_lapse(tmp_path):
+def test_a_driver_can_stand_by_for_another_hosts_lease_to_lapse(tmp_path):
     lease_dir = tmp_path / "_onceflow" / "lease"
     lease_dir.mkdir(parents=True)
-    # a holder on another host that renewed just now and then froze (never renews again)
-    renewed = time.time()
-    (lease_dir / f"{1:012d}.json").write_text(json.dumps(
-        {"token": "t", "epoch": 1, "host": "elsewhere", "pid": 1, "job": "job", "renewed": renewed}))
-    with pytest.raises(FencedError, match="already running"):
-        DriverLease(str(tmp_path), "job", ttl_s=1.0, renew_s=0.2).acquire()
-    t0 = time.monotonic()
-    successor = DriverLease(str(tmp_path), "job", ttl_s=1.0, renew_s=0.2).acquire(wait_s=10)
-    waited = time.monotonic() - t0
-    # taken only once the TTL had run out (causal, not timed), and not after the whole wait
-    assert successor.epoch == 2 and time.time() - renewed >= 1.0 and waited < 5
-    successor.release()
+    stop, stopped = threading.Event(), []
+
+    def renew() -> None:  # a holder on another host: renews, then its host freezes
+        while not stop.wait(0.1):
+            _old_record(lease_dir, 1, time.time())
+        stopped.append(time.monotonic())
+
+    _old_record(lease_dir, 1, time.time())
+    renewer = threading.Thread(target=renew)
+    renewer.start()
+    taken: list = []
+    successor = threading.Thread(target=lambda: taken.append(
+        DriverLease(str(tmp_path), "job", ttl_s=1.0, renew_s=0.2).acquire(wait_s=30)))
+    successor.start()
+    time.sleep(2.5)  # two lapse times of standing by while the holder renews
+    assert not taken
+    stop.set()
+    renewer.join()
+    successor.join(30)
+    assert taken and taken[0].epoch == 2
+    assert time.monotonic() - stopped[0] >= 1.0  # taken only once the TTL had run out (causal)
+    taken[0].release()
 
 
-def test_a_record_being_written_counts_as_held(tmp_path):
+def test_a_record_being_written_counts_as_held_until_it_lapses(tmp_path):
     lease_dir = tmp_path / "_onceflow" / "lease"
     lease_dir.mkdir(parents=True)
     (lease_dir / f"{1:012d}.json").write_bytes(b"")  # exclusively created, content not yet written
-    with pytest.raises(FencedError, match="already running"):
-        DriverLease(str(tmp_path), "job", ttl_s=30).acquire()
+    assert DriverLease(str(tmp_path), "probe").holder()["epoch"] == 1
+    t0 = time.monotonic()  # its creator died before writing it: taken after the lapse, not before
+    lease = DriverLease(str(tmp_path), "job", ttl_s=1, renew_s=0.2).acquire()
+    assert lease.epoch == 2 and time.monotonic() - t0 >= 1.0
+    lease.release()
+
+
+def test_a_holder_that_has_not_renewed_for_its_ttl_knows_it_by_its_own_clock(tmp_path):
+    """No renewal is due for an hour, so none succeeds: after the TTL the holder's own check
+    says it lost the lease (before, check() only looked for a newer epoch)."""
+    lease = DriverLease(str(tmp_path), "job", ttl_s=0.5, renew_s=3600).acquire()
+    lease.check()
+    time.sleep(0.6)
+    with pytest.raises(FencedError, match="could not be renewed for 0.5s"):
+        lease.check()
+    assert lease.lost.is_set()
+    lease.release()

@@ -41,7 +41,7 @@ def test_a_killed_drivers_scratch_space_is_reclaimed_by_the_next_driver(tmp_path
             assert proc.poll() is None and time.monotonic() < deadline, "the driver did not start"
             time.sleep(0.2)
         job = scratch.job_dir("scratchy", ckpt)
-        mine = f"driver-{proc.pid}-{start_time(proc.pid):.2f}"
+        mine = f"driver-{proc.pid}-{start_time(proc.pid)}"
         assert os.listdir(job) == [mine]
         assert any(n.startswith("blockmgr-") for n in os.listdir(os.path.join(job, mine)))
         assert scratch.reclaim(job) == []  # its owner lives: kept
@@ -58,7 +58,7 @@ def test_a_killed_drivers_scratch_space_is_reclaimed_by_the_next_driver(tmp_path
 def test_a_reused_pid_does_not_keep_a_dead_drivers_directory(tmp_path):
     job = tmp_path / "job"
     me = os.getpid()
-    live, reused = f"driver-{me}-{start_time(me):.2f}", f"driver-{me}-{start_time(me) - 100:.2f}"
+    live, reused = f"driver-{me}-{start_time(me)}", f"driver-{me}-{start_time(me) - 100}"
     for name in (live, reused, "not-ours"):
         (job / name).mkdir(parents=True)
     assert scratch.reclaim(str(job)) == [reused]

@@ -407,8 +407,9 @@ def test_zombie_drivers_are_fenced(case: Case, tmp_path):
     env = {"SINK_KIND": case.kind, "CKPT": str(ckpt), "TOTAL": str(total), "PER_BATCH": str(per_batch),
            "RATE": "4000", "INTERVAL": "200 ms", "IDLE": "3", "ATTEMPTS": "0",
            # No driver renews or re-reads the lease during the test, so the zombies are
-           # stopped by the sinks' epochs alone.
-           "ONCEFLOW_LEASE_RENEW_S": "3600", "ONCEFLOW_CRASH_AT": ",".join(f"{p}:pause" for p in PAUSES),
+           # stopped by the sinks' epochs alone (a TTL longer than the test: a holder that
+           # did not renew for its TTL gives the lease up by its own clock).
+           "ONCEFLOW_LEASE_RENEW_S": "3600", "ONCEFLOW_LEASE_TTL_S": "7200", "ONCEFLOW_CRASH_AT": ",".join(f"{p}:pause" for p in PAUSES),
            "ONCEFLOW_CRASH_MARKER_DIR": str(markers), **case.env}
     # Hosts 2-3 are warm standbys from the start: each handover costs seconds, not a JVM start.
     drivers = [_start_driver(tmp_path, env, "host-1")]

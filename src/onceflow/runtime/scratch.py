@@ -44,7 +44,7 @@ def _owner_alive(name: str) -> bool:
     try:
         _, pid, started = name.split("-", 2)
         now = start_time(int(pid))
-        return now is not None and f"{now:.2f}" == started
+        return now is not None and str(now) == started
     except ValueError:
         return True  # not ours: leave it
 
@@ -67,7 +67,7 @@ def driver_dir(job_name: str, checkpoint_url: str) -> str:
     """This process's scratch directory (created), after reclaiming dead drivers' ones."""
     job = job_dir(job_name, checkpoint_url)
     reclaim(job)
-    path = os.path.join(job, f"driver-{os.getpid()}-{start_time(os.getpid()):.2f}")
+    path = os.path.join(job, f"driver-{os.getpid()}-{start_time(os.getpid())}")
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -62,8 +62,9 @@ def spark_version() -> str:
 
 
 def live_lease_holder(checkpoint_url: str) -> dict | None:
-    """The lease record of a live driver on this checkpoint, or None when it is stopped."""
-    return DriverLease(checkpoint_url, "onceflow-savepoint").holder()
+    """The lease record of a live driver on this checkpoint, or None when it is stopped (a
+    holder this process cannot check directly is watched until it renews or lapses)."""
+    return DriverLease(checkpoint_url, "onceflow-savepoint").holder(settle=True)
 
 
 def default_savepoint_dir(checkpoint_url: str) -> str:

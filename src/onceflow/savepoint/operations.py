@@ -150,7 +150,7 @@ def _live_supervisor(url: str, start: dict | None) -> int | None:
     if host != socket.gethostname() or not _alive(pid):
         return None
     recorded, now = start.get("supervisor_started"), start_time(pid)
-    if recorded is not None and now is not None and round(float(recorded), 2) != now:
+    if recorded is not None and now is not None and int(recorded) != now:
         log.info("pid %d of the recorded supervisor now belongs to another process; not signalling", pid)
         return None
     return pid
