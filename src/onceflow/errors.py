@@ -89,6 +89,15 @@ class StoreUnavailable(OnceflowError):
         self.cause = cause
 
 
+class LeaseLost(OnceflowError):
+    """The driver's lease lapsed without a newer holder: its renewals failed for the TTL (the
+    store was unreachable, or this process was paused). Not fatal: the driver process stops
+    its query and exits as crashed; the next one takes the lease again once the store answers
+    (a newer holder, had one come, would fence it)."""
+
+    fatal = False
+
+
 class InjectedCrash(RuntimeError):
     """Raised by a fault-injection point configured for tests (never in production)."""
 

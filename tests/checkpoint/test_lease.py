@@ -13,7 +13,7 @@ import time
 import pytest
 
 from onceflow.checkpoint.lease import DriverLease
-from onceflow.errors import FencedError
+from onceflow.errors import FencedError, LeaseLost
 
 
 def test_second_driver_is_refused_while_the_holder_lives(tmp_path):
@@ -105,7 +105,7 @@ def test_a_lease_that_cannot_be_renewed_is_lost_after_its_ttl(tmp_path):
     lease_dir.write_text("not a directory")  # every renewal fails, as on a store that went away
     assert lease.lost.wait(5), "a driver that cannot renew kept its lease"
     assert "could not be renewed" in lease.lost_reason
-    with pytest.raises(FencedError):
+    with pytest.raises(LeaseLost):  # not fenced: no newer holder; the process restarts
         lease.check()
 
 
@@ -153,7 +153,7 @@ def test_a_holder_that_has_not_renewed_for_its_ttl_knows_it_by_its_own_clock(tmp
     lease = DriverLease(str(tmp_path), "job", ttl_s=0.5, renew_s=3600).acquire()
     lease.check()
     time.sleep(0.6)
-    with pytest.raises(FencedError, match="could not be renewed for 0.5s"):
+    with pytest.raises(LeaseLost, match="could not be renewed for 0.5s"):
         lease.check()
     assert lease.lost.is_set()
     lease.release()

@@ -35,6 +35,7 @@ from onceflow.errors import (
     FencedError,
     GaveUp,
     JvmDied,
+    LeaseLost,
     OnceflowError,
 )
 from onceflow.outages import Stopped, short, wait_out
@@ -188,14 +189,17 @@ class JobRunner:
                         raise JvmDied("the driver's Spark JVM died (OOM killer?); the process must "
                                       "restart (onceflow run does that)") from None
                     query_error = None
-                    if not isinstance(error, FencedError):
+                    if not isinstance(error, (FencedError, LeaseLost)):
                         try:  # a failure of a driver that lost the lease: it must not restart
                             self.lease.check()
-                        except FencedError as fenced_by_lease:
+                        except (FencedError, LeaseLost) as lost:
                             query_error = str(error) if error is not None else _short_cause(str(e))
-                            log.warning("the query failed (%s) after a newer driver took the lease",
-                                        query_error)
-                            error = fenced_by_lease
+                            log.warning("the query failed (%s) after this driver lost the lease (%s)",
+                                        query_error, lost)
+                            error = lost
+                    if isinstance(error, LeaseLost):  # only a new process may take the lease again
+                        self.events.append("failed", cause=str(error), error="LeaseLost")
+                        raise error from None
                     if error is not None and error.fatal:
                         extra = {"query_error": query_error} if query_error else {}
                         self.events.append("failed", cause=str(error), error=type(error).__name__, **extra)
@@ -316,7 +320,7 @@ class JobRunner:
         while True:
             if lease is not None and lease.lost.is_set():
                 query.stop()
-                raise FencedError(f"job {job.name}: {lease.lost_reason}; this driver stopped its query")
+                raise type(lease.lost_error())(f"job {job.name}: {lease.lost_reason}; this driver stopped its query")
             if query.awaitTermination(0.25):
                 self._record_progress(query, seen)
                 exc = query.exception()

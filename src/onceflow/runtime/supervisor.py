@@ -150,14 +150,7 @@ class Supervisor:
         self._commit_checked = 0.0
         self._log_offset = 0  # event log size when the active driver started
 
-    # ---- the checkpoint store: an outage never ends the supervisor --------------------------
-
-    def _event(self, event: str, **fields) -> None:
-        """Append to the event log; a store outage loses the line (logged), never the job."""
-        try:
-            self.events.append(event, **fields)
-        except Exception as e:  # noqa: BLE001 - any storage or network error
-            log.warning("event log %s unreachable (%s): event %r not recorded", self.events.url, short(e), event)
+    # ---- the checkpoint store: an outage never ends the supervisor (appends never raise) -----
 
     def _read(self, read: Callable[[], T], unknown: T) -> T:
         """``read()`` of the checkpoint store, or ``unknown`` (logged) during an outage."""
@@ -198,7 +191,7 @@ class Supervisor:
                 return self._stopped(rc)
             if rc == EXIT_OK:
                 log.info("driver finished (exit 0)")
-                self._event("stop", reason="finished", exit_code=rc, scope="process")
+                self.events.append("stop", reason="finished", exit_code=rc, scope="process")
                 return EXIT_OK
             if rc in (EXIT_CONFIG, EXIT_GAVE_UP, EXIT_SAVEPOINT_FAILED):
                 why = {EXIT_CONFIG: "a configuration or user error",
@@ -207,14 +200,14 @@ class Supervisor:
                 log.error("driver exited with code %d (%s, see its message above); not restarting", rc, why)
                 reason = {EXIT_CONFIG: "config_error", EXIT_GAVE_UP: "gave_up_in_process",
                           EXIT_SAVEPOINT_FAILED: "savepoint_failed"}[rc]
-                self._event("stop", reason=reason, exit_code=rc, scope="process")
+                self.events.append("stop", reason=reason, exit_code=rc, scope="process")
                 return rc
             if rc == EXIT_FENCED:
                 holder = self._read(DriverLease(self.checkpoint, "onceflow-supervisor").holder, None)
                 if holder is not None:
                     log.error("driver was fenced: pid %s on %s holds the lineage now; not "
                               "restarting", holder.get("pid"), holder.get("host"))
-                    self._event("stop", reason="fenced", exit_code=rc, scope="process",
+                    self.events.append("stop", reason="fenced", exit_code=rc, scope="process",
                                        holder=f"{holder.get('host')}:{holder.get('pid')}")
                     return EXIT_FENCED
             cause = describe_exit(rc)
@@ -224,11 +217,11 @@ class Supervisor:
             if delay is None:
                 log.error("driver %s after %.1fs; restart strategy %s gave up after %d restart(s); "
                           "not restarting", cause, uptime, self.strategy.describe(), attempt - 1)
-                self._event("gave_up", attempts=attempt, **crash)
+                self.events.append("gave_up", attempts=attempt, **crash)
                 return EXIT_GAVE_UP
             log.warning("driver %s after %.1fs; restart %d in %.1fs (%s)",
                         cause, uptime, attempt, delay, self.strategy.describe())
-            self._event("restart", delay_s=round(delay, 3), attempt=attempt, **crash)
+            self.events.append("restart", delay_s=round(delay, 3), attempt=attempt, **crash)
             if self._sleep(delay):
                 return self._stopped(None)
 
@@ -240,7 +233,7 @@ class Supervisor:
         self._proc, self._proc_done, self._active_started = proc, False, started
         self._log_offset = self._read(self.events.size, None)
         log.info("driver started: pid %d, attempt %d: %s", proc.pid, attempt, " ".join(cmd))
-        self._event("process_start", attempt=attempt, pid=proc.pid, host=socket.gethostname(),
+        self.events.append("process_start", attempt=attempt, pid=proc.pid, host=socket.gethostname(),
                            supervisor_pid=os.getpid(), supervisor_started=start_time(os.getpid()),
                            scope="process")
         if self._stop_signal is not None:  # a stop arrived while starting
@@ -307,7 +300,7 @@ class Supervisor:
                      f"; savepoint on stop: {taken[-1]}" if taken else "")
         else:
             log.warning("driver %s while stopping (%s)", describe_exit(rc), self._stop_signal)
-        self._event("stop", reason="signal", signal=self._stop_signal, exit_code=rc,
+        self.events.append("stop", reason="signal", signal=self._stop_signal, exit_code=rc,
                            forced=self._force, scope="process")
         if self._force:
             return EXIT_FORCED
@@ -330,7 +323,7 @@ class Supervisor:
             self._kill_leftovers(sb.proc.pid)  # while unreaped, its pgid cannot be reused
             rc = sb.proc.wait()
             log.warning("standby driver pid %d %s; replacing it", sb.proc.pid, describe_exit(rc))
-            self._event("standby_exit", pid=sb.proc.pid, exit_code=rc, scope="process")
+            self.events.append("standby_exit", pid=sb.proc.pid, exit_code=rc, scope="process")
             self._standby = sb = None
         now = time.monotonic()
         if sb is None and now - self._last_standby_start >= min(5.0, self.standby_delay) \
@@ -341,7 +334,7 @@ class Supervisor:
             active, standby = group_rss_mb(self._proc.pid), group_rss_mb(sb.proc.pid)
             log.info("standby driver pid %d ready (warm-up %s s); memory (RSS): active driver %s MB, "
                      "standby %s MB", sb.proc.pid, sb.ready().get("warm_s", "?"), active, standby)
-            self._event("standby_ready", pid=sb.proc.pid, warm_s=float(sb.ready().get("warm_s", 0)),
+            self.events.append("standby_ready", pid=sb.proc.pid, warm_s=float(sb.ready().get("warm_s", 0)),
                                active_rss_mb=active, standby_rss_mb=standby, scope="process")
 
     def _active_committed(self, now: float) -> bool:
@@ -367,7 +360,7 @@ class Supervisor:
         self._standby, self._memory_shown = _Standby(proc, go), False  # each standby reports ready
         self._last_standby_start = time.monotonic()
         log.info("standby driver started: pid %d", proc.pid)
-        self._event("standby_start", pid=proc.pid, host=socket.gethostname(), scope="process")
+        self.events.append("standby_start", pid=proc.pid, host=socket.gethostname(), scope="process")
 
     def _promote(self, attempt: int) -> tuple[subprocess.Popen, float]:
         """The standby becomes the active driver: it takes over the lease at once."""
@@ -382,7 +375,7 @@ class Supervisor:
         warm = sb.ready()
         log.info("standby driver pid %d promoted (attempt %d, %s)", sb.proc.pid, attempt,
                  f"warm; its warm-up took {warm.get('warm_s')} s" if warm else "still warming up")
-        self._event("process_start", attempt=attempt, pid=sb.proc.pid, host=socket.gethostname(),
+        self.events.append("process_start", attempt=attempt, pid=sb.proc.pid, host=socket.gethostname(),
                            supervisor_pid=os.getpid(), supervisor_started=start_time(os.getpid()),
                            standby=True, warm=warm is not None, scope="process")
         if self._stop_signal is not None:

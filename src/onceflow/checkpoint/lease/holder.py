@@ -15,7 +15,7 @@ from typing import TypeVar
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import identity
 from onceflow.checkpoint.lease.sighting import SIGHTINGS, held_s
-from onceflow.errors import ConfigError, FencedError, OnceflowError, StoreUnavailable
+from onceflow.errors import ConfigError, FencedError, LeaseLost, OnceflowError, StoreUnavailable
 from onceflow.storage import write_whole
 
 log = logging.getLogger("onceflow.lease")
@@ -57,6 +57,7 @@ class DriverLease:
         #: set (with :attr:`lost_reason`) when a newer holder appeared or renewal kept failing
         self.lost = threading.Event()
         self.lost_reason = ""
+        self.lost_to_newer = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewals = 0
@@ -278,7 +279,7 @@ class DriverLease:
                 try:
                     newer = [e for e in self._epochs() if e > (self.epoch or 0)]
                     if newer:
-                        self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})")
+                        self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})", True)
                         return
                     started = identity.clock()
                     self._renewals += 1
@@ -318,15 +319,21 @@ class DriverLease:
             log.warning("%s: checking the lease relies on this driver's own renewals", e)
             newer = []
         if newer:
-            self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})")
+            self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})", True)
         self._lapsed()
         if self.lost.is_set():
-            raise FencedError(self.lost_reason)
+            raise self.lost_error()
 
-    def _lose(self, reason: str) -> None:
+    def lost_error(self) -> FencedError | LeaseLost:
+        """Why the lease is lost: FencedError when a newer driver took it, else LeaseLost (its
+        renewals failed for the TTL: the store was out of reach or this process paused)."""
+        return (FencedError if self.lost_to_newer else LeaseLost)(self.lost_reason)
+
+    def _lose(self, reason: str, newer: bool = False) -> None:
         if not self.lost.is_set():
             log.warning("lease epoch %s of %s lost: %s", self.epoch, self.url, reason)
         self.lost_reason = reason
+        self.lost_to_newer = self.lost_to_newer or newer
         self.lost.set()
 
     def release(self) -> None:
