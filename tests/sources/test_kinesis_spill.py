@@ -13,7 +13,8 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from onceflow.sources.kinesis import SCHEMA, KinesisSource, KinesisStreamReader, parse_options, shards
+import onceflow.sources.kinesis.shards as kinesis_shards
+from onceflow.sources.kinesis import SCHEMA, KinesisSource, KinesisStreamReader, parse_options
 
 SHARD0 = "shardId-000000000000"
 
@@ -47,7 +48,7 @@ def batch_boundaries(data: bytes) -> list[int]:
 def two_batches(monkeypatch, kinesalite, stream_name):
     """A 1-shard stream holding ids 0..199, read ahead by the driver 100 records per GetRecords
     (so the spill file holds two record batches of 100 rows)."""
-    monkeypatch.setattr(shards, "MAX_LIMIT", 100)
+    monkeypatch.setattr(kinesis_shards, "MAX_LIMIT", 100)
     kinesalite.create_stream(stream_name, 1)
     kinesalite.put(stream_name, [(f"k{i % 8}", str(i).encode()) for i in range(200)])
     return stream_name
