@@ -15,9 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from onceflow.checkpoint.eventlog import EventLog
-from onceflow.sources.kinesis import KinesisSource
+from onceflow.sources.kinesis import SCHEMA, KinesisSource, KinesisStreamReader, parse_options
 
 SHARD = "shardId-00000000000{}".format
 
@@ -46,9 +47,11 @@ class ExpiringProxy:
                     data = json.dumps(out).encode()
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "date", "server"):
+                    if k.lower() not in ("content-length", "transfer-encoding", "connection", "keep-alive",
+                                         "date", "server"):
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
+                self.send_header("Connection", "close")  # this server answers one request per connection
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -133,3 +136,12 @@ def test_shards_expired_with_unread_records_are_data_loss_unless_allowed(spark, 
     assert [(e["shard"], e["failed"]) for e in losses] == [
         (SHARD(0), True), (SHARD(1), True), (SHARD(0), False), (SHARD(1), False)], losses
     assert all(e["cause"].startswith("reshard: ") for e in losses)
+    assert losses[2]["start"] == checkpointed[SHARD(0)] and losses[3]["start"] is None
+
+    # Accepted once, not reported again: a new driver with failOnDataLoss=true plans on.
+    source.fail_on_data_loss = True
+    reader = KinesisStreamReader(parse_options(source.options()), SCHEMA)
+    last = max((p for p in (tmp_path / "out-cp" / "offsets").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    planned = reader.latestOffset(json.loads(last.read_text().splitlines()[-1]), ReadAllAvailable())
+    assert set(planned[stream_name]) == {SHARD(0), SHARD(2), SHARD(3), SHARD(4)}
+    assert len([e for e in EventLog(str(tmp_path / "out-cp")).read() if e["event"] == "source_data_loss"]) == 4
