@@ -269,7 +269,12 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             raise
         end = SHARD_END if ended and info.closed else last
         if writer and n and end != position:
-            writer.finish(end)
+            try:
+                writer.finish(end)
+            except OSError as e:  # the spill only saves a read: the executor reads Kinesis
+                log.warning("%s: could not publish the spill of %s/%s (%s); its task reads Kinesis",
+                            NAME, info.stream, info.shard_id, e)
+                writer.abort()
         elif writer:
             writer.abort()
         at_tip = cap is None or n < cap or ended or (
