@@ -67,7 +67,7 @@ def run_available_now(df, tmp: Path) -> list:
     out, cp = tmp / "out", tmp / "out-cp"
     q = (df.writeStream.format("parquet").option("path", str(out))
          .option("checkpointLocation", str(cp)).trigger(availableNow=True).start())
-    assert q.awaitTermination(120), "query did not finish"
+    assert q.awaitTermination(300), "query did not finish in 300 s"
     if q.exception() is not None:
         raise q.exception()
     return df.sparkSession.read.parquet(str(out)).collect() if (out / "_spark_metadata").exists() else []
