@@ -928,3 +928,102 @@ def test_staging_table_is_not_dropped_under_prepared_rows_and_decision_needs_no_
     sink.data_source().validate(kvl, False)  # nothing pending: recreated with the new columns
     assert [c for (c,) in rows(db, "SELECT attname FROM pg_attribute WHERE attrelid = %s::regclass AND attnum > 4 "
                                    "ORDER BY attnum", stage)] == ["k", "v", "label"]
+
+
+# ---- lock timeout: a zombie's prepared rows ------------------------------------------------------
+
+
+def _zombie_prepares(pg, table: str, gid: str, ids) -> None:
+    """What a task leaves when it PREPAREs and dies before its epoch re-check: a prepared
+    transaction under its gid holding the rows (and their unique-index entries) it inserted."""
+    with psycopg.connect(pg.dsn, autocommit=True) as conn:
+        conn.execute("BEGIN")
+        conn.execute(f"INSERT INTO {table} (id) SELECT generate_series(%s::bigint, %s::bigint)", [ids[0], ids[-1]])
+        conn.execute(f"PREPARE TRANSACTION '{gid}'")
+
+
+def _task_within(pg, source, lineage: str, ids, attempt: int, seconds: float, before_rows=None) -> dict:
+    """Run a task's pre-commit of batch 1 partition 0 in a thread (``before_rows`` runs when the
+    task starts consuming its rows: after its start-up clean-up, inside its transaction);
+    return {"handle": ...} or {"error": ...}, or fail when it is still blocked after
+    ``seconds`` (its PostgreSQL backend is then cancelled)."""
+    import threading
+
+    import pyarrow as pa
+
+    from onceflow.sinks.base import TaskInfo
+
+    out: dict = {}
+
+    def batches():
+        if before_rows:
+            before_rows()
+        yield pa.RecordBatch.from_arrays([pa.array(list(ids), pa.int64())], names=["id"])
+
+    def run() -> None:
+        try:
+            out["handle"], _ = source.pre_commit(TaskInfo(lineage, 1, 0, attempt), _kv(), False, batches())
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        waiting = rows(pg, "SELECT pid, wait_event_type, wait_event, left(query, 60) FROM pg_stat_activity "
+                           "WHERE wait_event_type = 'Lock'")
+        for pid, *_ in waiting:
+            rows(pg, "SELECT pg_cancel_backend(%s)", pid)
+        t.join(10)
+        raise AssertionError(f"the task was still blocked after {seconds:g}s: {waiting}")
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("zombie", ["older_epoch", "other_attempt"])
+def test_task_blocked_by_a_zombies_prepared_rows_fails_retries_and_proceeds_exactly_once(pg, zombie):
+    """The table has a primary key. ``older_epoch``: driver B took over from A (epoch + 1, its
+    recovery ran); B's task started (its clean-up of stale transactions ran); then A's task
+    PREPAREd rows with ids 0..9 and died before its epoch re-check. ``other_attempt``: the
+    same from an earlier attempt of B's own task (a lost executor that still reached
+    PostgreSQL). B's task inserts the same ids: its transaction waits for the prepared one.
+    With a lock timeout (default 10 s; 2 s set as the option in the second case) the task fails
+    with a SinkError naming the zombie's gid; Spark's retry of the task rolls the zombie back
+    and writes; the batch commits ids 0..9 exactly once.
+    Old code: no lock timeout, the task waited forever (still blocked after 60 s here), and
+    the retry that would roll the zombie back never came."""
+    kw = {} if zombie == "older_epoch" else {"lock_timeout": 2}
+    sink = make_sink(pg, **kw)
+    execute(pg, f"CREATE TABLE {sink.table} (id bigint PRIMARY KEY)")
+    lineage = str(uuid.uuid4())
+    _, ea, _ = opened(sink, lineage)
+    b, eb, b_task = opened(sink, lineage)
+    assert eb == ea + 1
+    gid = (f"onceflow:{sink.sink_id}:{lineage}:1:0:0:e{ea}:zombie-run" if zombie == "older_epoch"
+           else f"onceflow:{sink.sink_id}:{lineage}:1:0:0:e{eb}:unknown")
+    first = 0 if zombie == "older_epoch" else 1
+    started = time.monotonic()
+    out = _task_within(pg, b_task, lineage, range(10), first, 60,
+                       before_rows=lambda: _zombie_prepares(pg, sink.table, gid, range(10)))
+    took = time.monotonic() - started
+    error = out.get("error")
+    assert isinstance(error, SinkError), out
+    msg = str(error)
+    wait = 10 if zombie == "older_epoch" else 2
+    assert f"task of batch 1 partition 0 (attempt {first}) waited {wait}s for a lock on" in msg, msg
+    assert f"prepared transaction(s) {gid} hold locks on it" in msg and "the task is retried" in msg, msg
+    assert "\n" not in msg and pg.password not in msg
+    assert took >= wait, took  # it did wait for the zombie, lock_timeout long
+    assert prepared(pg, sink.sink_id) == [gid]  # the failed attempt left nothing of its own
+
+    handle = _task_within(pg, b_task, lineage, range(10), first + 1, 60)["handle"]  # Spark's retry
+    assert prepared(pg, sink.sink_id) == [handle["gid"]]  # the zombie's gid was rolled back
+    b.decide(Decision(lineage, 1, "fp", [handle], eb), _kv(), False)
+    b.commit(b.decision(lineage, 1))
+    assert_exactly_once(pg, sink.table, 10, sink.sink_id)
+
+
+def test_lock_timeout_option_is_checked(pg):
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(ConfigError, match="lock_timeout"):
+            make_sink(pg, lock_timeout=bad).data_source()

@@ -28,15 +28,16 @@ visible, and never blocks the successor.
 Modules: :mod:`.dsn` (DSN and secrets), :mod:`.types` (type mapping, table checks),
 :mod:`.copy` (COPY encoder), :mod:`.stage` (upsert staging and merge), :mod:`.fence` (epochs),
 :mod:`.session` (connections and retries), :mod:`.source` (the Spark data source and the
-protocol), :mod:`.sink` (:class:`PostgresSink`), :mod:`.doctor` (``onceflow doctor --postgres``).
+driver's protocol steps), :mod:`.task` (a task's pre-commit, its lock timeout), :mod:`.sink` (:class:`PostgresSink`), :mod:`.doctor` (``onceflow doctor --postgres``).
 The password (in the DSN or the ``password`` option) never appears in errors, logs or ``repr``.
 """
 
 from onceflow.sinks.postgres.copy import STAGE_COLUMNS, _copy, encode_binary
 from onceflow.sinks.postgres.dsn import FORMAT, mask_dsn, split_dsn, where
 from onceflow.sinks.postgres.sink import PostgresSink
-from onceflow.sinks.postgres.source import GID, SLOT_RULE, PostgresDataSource
+from onceflow.sinks.postgres.source import GID, PostgresDataSource
 from onceflow.sinks.postgres.stage import stage_tables
+from onceflow.sinks.postgres.task import SLOT_RULE
 from onceflow.sinks.postgres.types import pg_type
 
 __all__ = [

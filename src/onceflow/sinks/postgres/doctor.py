@@ -24,8 +24,9 @@ from psycopg import sql
 from onceflow.errors import FencedError, OnceflowError
 from onceflow.sinks.postgres.dsn import split_dsn, where
 from onceflow.sinks.postgres.fence import backends
-from onceflow.sinks.postgres.source import GID, SLOT_RULE, PostgresDataSource
+from onceflow.sinks.postgres.source import GID, PostgresDataSource
 from onceflow.sinks.postgres.stage import stage_tables
+from onceflow.sinks.postgres.task import SLOT_RULE
 
 
 @dataclass(frozen=True)

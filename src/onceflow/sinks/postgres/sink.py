@@ -24,6 +24,10 @@ class PostgresSink(Sink):
     merged atomically by the driver; within a batch the last row per key in (partition,
     position) order wins). ``commit_deadline``: seconds a commit keeps
     retrying an unreachable server before the query fails (recovery finishes it later).
+    ``lock_timeout``: seconds a task's transaction waits for a lock (a dead task's or a zombie
+    driver's prepared rows, say) before the task fails with a SinkError and is retried; the
+    retry rolls back undecided prepared transactions of older epochs and of the partition's
+    other attempts.
     """
 
     dsn: str
@@ -34,6 +38,7 @@ class PostgresSink(Sink):
     create_table: bool = False
     commit_deadline: float = 60.0
     sink_id: str = "postgres"
+    lock_timeout: float = 10.0
 
     format_name = FORMAT
 
@@ -43,6 +48,7 @@ class PostgresSink(Sink):
             "dsn": conninfo, "table": self.table, "mode": self.mode, "write": self.write,
             "create_table": str(bool(self.create_table)).lower(),
             "commit_deadline": str(self.commit_deadline), "sink_id": self.sink_id,
+            "lock_timeout": str(self.lock_timeout),
         }
         if self.keys:
             opts["keys"] = ",".join([self.keys] if isinstance(self.keys, str) else self.keys)

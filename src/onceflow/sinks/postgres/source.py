@@ -32,7 +32,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +42,13 @@ from pyspark.sql import types as T
 
 from onceflow.errors import ConfigError, FencedError, SinkError
 from onceflow.faults import maybe_crash
-from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
+from onceflow.sinks.base import Decision, TwoPhaseCommitSink
 from onceflow.sinks.postgres import fence, logtables
-from onceflow.sinks.postgres.copy import _copy
 from onceflow.sinks.postgres.dsn import FORMAT, split_dsn, where
 from onceflow.sinks.postgres.session import Sessions
-from onceflow.sinks.postgres.stage import Staging, column_types
+from onceflow.sinks.postgres.stage import Staging
+from onceflow.sinks.postgres.task import DEFAULT_LOCK_TIMEOUT, TaskWriter
 from onceflow.sinks.postgres.types import Tables
-from onceflow.sinks.replay import ContentDigest, check_replay, task_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -59,13 +58,6 @@ GID = re.compile(
     r":(?P<attempt>\d+)(?::e(?P<epoch>\d+))?:(?P<run>[0-9a-z-]+)$"
 )
 _SINK_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-#: The one sizing rule for ``max_prepared_transactions`` (PREPARE error, doctor, docs).
-SLOT_RULE = (
-    "every write task of a two_phase batch holds one prepared transaction from its PREPARE until the "
-    "batch commits, so max_prepared_transactions must be at least the write partitions of all two_phase "
-    "onceflow queries running against the server, plus the prepared transactions anything else holds "
-    "there, plus headroom for speculative task attempts"
-)
 
 
 @dataclass
@@ -85,7 +77,7 @@ def _handles(decision: Decision) -> list[Any]:
     return [h for h in decision.handles or [] if h]
 
 
-class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
+class PostgresDataSource(TaskWriter, Tables, Staging, Sessions, TwoPhaseCommitSink):
     """``df.writeStream.format("onceflow-postgres").option("dsn", ...).option("table", ...)``."""
 
     format_name = FORMAT
@@ -100,6 +92,7 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
         "create_table": "true: create the table from the stream's schema if it is missing",
         "commit_deadline": "seconds to keep retrying while PostgreSQL is unreachable (default 60)",
         "connect_timeout": "seconds for one connection attempt (default 5)",
+        "lock_timeout": "seconds a task's transaction waits for a lock before it fails and is retried (default 10)",
         "sink_id": "name of this sink, part of transaction ids and the commit log (default postgres)",
         "log_schema": "schema of onceflow's tables onceflow_commit_log / onceflow_markers / onceflow_epochs (default public)",
     }
@@ -119,8 +112,12 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
         try:
             self.commit_deadline = float(o.get("commit_deadline", 60))
             self.connect_timeout = max(2, int(float(o.get("connect_timeout", 5))))
+            self.lock_timeout = float(o.get("lock_timeout", DEFAULT_LOCK_TIMEOUT))
         except ValueError:
-            raise ConfigError(f"{FORMAT}: commit_deadline and connect_timeout must be numbers of seconds") from None
+            raise ConfigError(f"{FORMAT}: commit_deadline, connect_timeout and lock_timeout must be numbers of seconds") from None
+        if not 0 < self.lock_timeout <= 86_400:
+            raise ConfigError(f"{FORMAT}: lock_timeout={self.lock_timeout:g}: give seconds between 0 and 86400 "
+                              f"(default {DEFAULT_LOCK_TIMEOUT:g}); a task blocked longer fails and is retried")
         if self.mode not in ("two_phase", "idempotent"):
             raise ConfigError(f"{FORMAT}: mode={self.mode!r}; use 'two_phase' or 'idempotent'")
         if self.write_kind not in ("append", "upsert"):
@@ -312,157 +309,6 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
                     merged += 1
         return merged
 
-    # ---- tasks -------------------------------------------------------------------------
-
-    def is_decided(self, lineage: str, batch_id: int) -> bool:
-        return self._retrying("decision lookup", lambda conn: self._is_decided(conn, lineage, batch_id), lineage, "task")
-
-    def _is_decided(self, conn: psycopg.Connection, lineage: str, batch_id: int) -> bool:
-        q = sql.SQL("SELECT 1 FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table)
-        return conn.execute(q, [self.sink_id, lineage, batch_id]).fetchone() is not None
-
-    def _task_epoch(self, conn: psycopg.Connection, lineage: str) -> int:
-        """The task's epoch: the ``epoch`` option, which must not be older than the stored one
-        (else FencedError); without it (plain writeStream) the stored epoch."""
-        current = fence.stored_epoch(conn, self.epoch_table, self.sink_id, lineage)
-        mine = self.epoch
-        if mine is None:
-            return current
-        if mine < current:
-            raise fenced(FORMAT, lineage, mine, current, "write")
-        return mine
-
-    def _write_rows(self, cur: psycopg.Cursor, task: TaskInfo, schema: T.StructType, batches: Iterator) -> int:
-        """COPY the partition into the table (append) or the staging table (upsert)."""
-        target, stage = (self.table, None) if self.write_kind == "append" else (
-            self.stage_table, (task.lineage, task.batch_id, task.partition))
-        types = column_types(cur.connection, target)
-        if types is None:
-            raise SinkError(f"{FORMAT}: table {target.as_string(cur)} vanished while the query runs; restart the query")
-        try:
-            return _copy(cur, target, schema.names, batches, types, stage)
-        except psycopg.errors.DataError as e:
-            where_ = re.sub(r"(column [^:]+):.*", r"\1", (e.diag.context or "").splitlines()[0] if e.diag.context else "")
-            raise SinkError(
-                f"{FORMAT}: a row of batch {task.batch_id} does not fit table {self.opts['table']}: "
-                f"{e.diag.message_primary}{f' ({where_})' if where_ else ''}; widen the column or cast/truncate "
-                "it in the transform (nothing of this batch was committed; it is replayed after the restart)"
-            ) from None
-        except psycopg.errors.IntegrityError as e:  # NOT NULL / CHECK (also repeated on the staging table)
-            raise SinkError(
-                f"{FORMAT}: a row of batch {task.batch_id} violates a constraint of table {self.opts['table']}: "
-                f"{e.diag.message_primary}; fix the row in the transform or the constraint (nothing of this "
-                "batch was committed or decided; it is replayed after the restart)"
-            ) from None
-
-    def pre_commit(self, task: TaskInfo, schema: T.StructType, overwrite: bool, batches: Iterator) -> tuple[Any, int]:
-        """Check the epoch (FencedError when older than the stored one) and clean up stale
-        transactions, then write: two_phase COPY + PREPARE under a gid carrying the epoch;
-        idempotent rows + marker (:meth:`_pre_commit_idempotent`)."""
-        run, lineage = _run_id(), task.lineage
-
-        def start(conn: psycopg.Connection) -> int:  # also proves the session alive before any row is consumed
-            epoch = self._task_epoch(conn, lineage)
-            if self.mode == "two_phase":
-                self._clean_stale(conn, task, run, epoch)
-            return epoch
-
-        epoch = self._retrying("task", start, lineage, "task")
-        try:
-            return self._pre_commit(task, schema, batches, run, epoch)
-        except psycopg.OperationalError as e:  # connection lost while writing: the task is retried
-            raise SinkError(f"{FORMAT}: task of batch {task.batch_id} failed: PostgreSQL at {self.where} "
-                            f"unreachable ({self._safe(e)}); the task is retried or the batch replayed") from None
-
-    def _pre_commit(self, task: TaskInfo, schema: T.StructType, batches: Iterator, run: str, epoch: int) -> tuple[Any, int]:
-        lineage = task.lineage
-        with self._session("task", lineage) as conn:
-            if self.mode == "idempotent":
-                return self._pre_commit_idempotent(conn, task, schema, batches, epoch)
-            gid = f"onceflow:{self.sink_id}:{lineage}:{task.batch_id}:{task.partition}:{task.attempt}:e{epoch}:{run}"
-            with conn.cursor() as cur:
-                cur.execute("BEGIN")
-                rows = self._write_rows(cur, task, schema, batches)
-                if rows == 0:
-                    cur.execute("ROLLBACK")
-                    return None, 0
-                xid = cur.execute("SELECT txid_current()").fetchone()[0]
-                try:
-                    cur.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
-                except psycopg.Error as e:
-                    if "prepared transactions" not in str(e):
-                        raise
-                    raise SinkError(
-                        f"{FORMAT}: PostgreSQL at {self.where} has no free prepared-transaction slot "
-                        f"({e.diag.message_primary}): {SLOT_RULE}; raise it (server restart), "
-                        "coalesce() the stream to fewer partitions, or resolve dangling prepared "
-                        "transactions (onceflow doctor --postgres DSN --resolve)"
-                    ) from None
-            # A successor took a newer epoch while this task wrote (its driver is a zombie; the
-            # successor's recovery may have run before this PREPARE and cannot have seen it): no
-            # decision will ever list this gid, so do not leave it dangling.
-            current = fence.stored_epoch(conn, self.epoch_table, self.sink_id, lineage)
-            if self.epoch is not None and current > epoch:
-                self._finish(conn, "ROLLBACK", gid)
-                raise fenced(FORMAT, lineage, epoch, current, "write")
-            # A decision recorded meanwhile cannot list this gid: do not leave it dangling.
-            if self._is_decided(conn, lineage, task.batch_id):
-                self._finish(conn, "ROLLBACK", gid)
-                return None, 0
-            return {"gid": gid, "xid": xid}, rows
-
-    def _clean_stale(self, conn: psycopg.Connection, task: TaskInfo, run: str, epoch: int) -> None:
-        """Roll back undecided gids of this lineage of older epochs (their drivers are fenced)
-        and other attempts of this very partition in this epoch: they are dead, and their row
-        locks would block an upsert. Gids of a newer epoch are never touched."""
-        stale = [
-            p for p in self._prepared(conn, self._prefix(task.lineage))
-            if p.older_than(epoch)
-            or (p.epoch == epoch and p.batch == task.batch_id and p.partition == task.partition
-                and (p.attempt, p.run) != (task.attempt, run))
-        ]
-        if stale:
-            n = self._rollback_undecided(conn, task.lineage, stale, epoch, "clean-up of stale transactions")
-            log.info("%s: rolled back %d stale prepared transaction(s) of %s", FORMAT, n, task.lineage)
-
-    def _pre_commit_idempotent(self, conn: psycopg.Connection, task: TaskInfo, schema: T.StructType,
-                               batches: Iterator, epoch: int) -> tuple[Any, int]:
-        """Rows and marker in one local transaction, committed only while ``epoch`` is current.
-
-        The marker keeps the batch fingerprint and the partition's content digest; a replay
-        skips a committed partition only when both match (:mod:`onceflow.sinks.replay`)."""
-        fingerprint = task_fingerprint(self.opts.get("checkpointlocation"), task.batch_id)
-        digest = ContentDigest()
-        with conn.transaction(), conn.cursor() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock_shared(%s)", [fence.advisory_key("onceflow-decide", self.sink_id, task.lineage)])
-            if self._is_decided(conn, task.lineage, task.batch_id):
-                for _ in batches:  # upstream state commits only when the input is consumed
-                    pass
-                return None, 0
-            ident = [self.sink_id, task.lineage, task.batch_id, task.partition]
-            fresh = cur.execute(sql.SQL(
-                "INSERT INTO {} (sink, lineage, batch_id, partition) VALUES (%s, %s, %s, %s) "
-                "ON CONFLICT DO NOTHING RETURNING 1").format(self.marker_table), ident).fetchone()
-            if fresh is None:  # an earlier attempt committed this partition
-                done, stored_fp, stored_digest = cur.execute(sql.SQL(
-                    "SELECT rows, fingerprint, digest FROM {} "
-                    "WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
-                ).format(self.marker_table), ident).fetchone()
-                for _ in digest.feed(batches):
-                    pass
-                check_replay(f"{FORMAT} sink {self.sink_id}", task.batch_id, task.partition, task.lineage,
-                             stored_fingerprint=stored_fp, fingerprint=fingerprint,
-                             stored_digest=stored_digest, digest=digest.hexdigest())
-                return {"partition": task.partition, "rows": done}, done
-            rows = self._write_rows(cur, task, schema, digest.feed(batches))
-            cur.execute(sql.SQL(
-                "UPDATE {} SET rows = %s, fingerprint = %s, digest = %s "
-                "WHERE sink = %s AND lineage = %s AND batch_id = %s AND partition = %s"
-            ).format(self.marker_table), [rows, fingerprint, digest.hexdigest(), *ident])
-            # Committing this transaction makes the rows visible: only while our epoch is current.
-            self._check(conn, task.lineage, epoch, "write", lock=True)
-        return {"partition": task.partition, "rows": rows}, rows
-
     # ---- driver ------------------------------------------------------------------------
 
     def _decision_row(self, conn: psycopg.Connection, lineage: str, batch_id: int) -> Decision | None:
@@ -583,14 +429,3 @@ class PostgresDataSource(Tables, Staging, Sessions, TwoPhaseCommitSink):
             return self._rollback_undecided(conn, lineage, prepared, mine, "abort")
 
         self._retrying("abort", run, lineage)
-
-def _run_id() -> str:
-    """Spark's run id of the streaming query (its job group), or 'unknown' (also outside Spark)."""
-    try:
-        from pyspark import TaskContext
-
-        tc = TaskContext.get()
-    except Exception:  # noqa: BLE001 - no Spark task here
-        tc = None
-    value = tc.getLocalProperty("spark.jobGroup.id") if tc else None
-    return (value or "unknown").lower()

@@ -1,4 +1,23 @@
-"""The Kinesis source's stream reader: shard discovery, planning positions, data loss."""
+"""The Kinesis source's stream reader: shard discovery, planning positions, data loss.
+
+Data loss across a reshard (:meth:`KinesisStreamReader._lost_across_reshard`): Kinesis drops a
+closed shard from ListShards once its records expired (retention). Before planning, the driver
+compares ListShards with the checkpointed positions and reports (``failOnDataLoss=true``:
+KinesisDataLossError naming every such shard, the query fails; ``false``: one WARNING per
+shard, and the children are read from their start) two cases:
+
+- a checkpointed shard that is no longer listed although its position is not ``SHARD_END``:
+  the records after its position were never read (conservative: if the last record read was
+  in fact the shard's last, nothing was lost, and it is reported all the same);
+- a shard that appeared since the last planning whose parent is neither listed nor
+  checkpointed (created and expired while the query was stopped): none of the parent's records
+  were read, and its child would start at TRIM_HORIZON after them.
+
+Both are only possible when the query was stopped (or kept failing) for longer than the
+stream's retention; either way every counted loss is a ``source_data_loss`` event. A loss
+accepted once (``failOnDataLoss=false``) is found in the event log and not reported again,
+also when ``failOnDataLoss`` is set back to true (without ``eventLog``: once per driver).
+"""
 
 from __future__ import annotations
 
@@ -25,6 +44,7 @@ from onceflow.sources.kinesis.options import (
     NAME,
     SHARD_END,
     TRIM_HORIZON,
+    KinesisDataLossError,
     Positions,
     Settings,
     ShardKey,
@@ -35,6 +55,7 @@ from onceflow.sources.kinesis.options import (
 )
 from onceflow.sources.kinesis.shards import (
     ShardInfo,
+    accepted_losses,
     check_retained,
     initial_position,
     raise_or_skip,
@@ -63,6 +84,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._arrow = None  # the Arrow schema of spilled ranges
         self._rotation = 0
         self._replaced: Positions = {}  # stale start -> TRIM_HORIZON (failOnDataLoss=false)
+        self._lost: set[ShardKey] = set()  # shards reported lost across a reshard (once each)
 
     # -- shards -----------------------------------------------------------------------------
     def shards(self) -> dict[ShardKey, ShardInfo]:
@@ -123,6 +145,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         begin = from_json(start)
         cleanup(self.s, begin)  # Spark does not call commit() for the batch before a restart
         found = self.shards()
+        self._report_lost(self._lost_across_reshard(begin, found))
         for key in sorted(found):
             begin.setdefault(key, TRIM_HORIZON)  # a new shard (resharding)
         end = dict(begin)
@@ -137,6 +160,56 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 self._available_done.add(key)
         self._report_throttled()
         return to_json(end)
+
+    def _lost_across_reshard(self, begin: Positions, found: dict[ShardKey, ShardInfo]
+                             ) -> dict[ShardKey, tuple[str | None, str]]:
+        """Shards whose unread records are gone: (checkpointed position or None, why); see the
+        module's docstring. Shards already reported by this reader, or accepted earlier
+        (``failOnDataLoss=false``, per the event log), are left out."""
+        lost: dict[ShardKey, tuple[str | None, str]] = {}
+        for key, pos in sorted(begin.items()):
+            if key[0] in self.s.streams and key not in found and pos != SHARD_END:
+                read = f"read only up to {pos}" if is_seq(pos) else "never read"
+                lost[key] = (pos, f"{read}, not to its end (SHARD_END), and no longer listed (expired after retention)")
+        checkpointed = {st for st, _ in begin}
+        for key, info in sorted(found.items()):
+            if key in begin or key[0] not in checkpointed:  # a stream new to the query starts fresh
+                continue
+            for parent in info.parents:
+                pk = (key[0], parent)
+                if pk not in begin and pk not in found:
+                    lost[pk] = (None, "never read, and no longer listed (created and expired while the query "
+                                      "was stopped)")
+        lost = {k: v for k, v in lost.items() if k not in self._lost}
+        if lost:
+            self._lost.update(accepted_losses(self.s))
+            lost = {k: v for k, v in lost.items() if k not in self._lost}
+        for pk, (pos, why) in lost.items():
+            children = sorted(k[1] for k, i in found.items() if k[0] == pk[0] and pk[1] in i.parents)
+            if children:
+                lost[pk] = (pos, f"{why}; its child shard(s) {', '.join(children)} would start after its lost records")
+        return lost
+
+    def _report_lost(self, lost: dict[ShardKey, tuple[str | None, str]]) -> None:
+        """failOnDataLoss: one KinesisDataLossError naming every shard; else a WARNING each.
+        Either way each is a ``source_data_loss`` event."""
+        if not lost:
+            return
+        for (st, sh), (pos, why) in sorted(lost.items()):
+            self.skipped += 0 if self.s.fail_on_data_loss else 1
+            record_event(self.s, "source_data_loss", stream=st, shard=sh, start=pos, end=None, records=None,
+                         cause=f"reshard: {why}", failed=self.s.fail_on_data_loss, skipped_so_far=self.skipped)
+        shards = "; ".join(f"stream {st} shard {sh}: {why}" for (st, sh), (_, why) in sorted(lost.items()))
+        if self.s.fail_on_data_loss:
+            raise KinesisDataLossError(
+                f"{NAME}: records lost across a reshard: {shards}. Kinesis no longer has them (retention): "
+                "re-send them from their producer if you can, then set failOnDataLoss=false to continue with "
+                "the child shards (the loss is logged and counted as source_data_loss events); raise the "
+                "stream's retention above the longest time the job may be stopped")
+        for (st, sh), (_, why) in sorted(lost.items()):
+            log.warning("%s: records lost across a reshard: stream %s shard %s: %s; failOnDataLoss=false: "
+                        "continuing with its children", NAME, st, sh, why)
+        self._lost.update(lost)
 
     def _readable(self, key: ShardKey, pos: Positions, found: dict[ShardKey, ShardInfo]) -> bool:
         if pos.get(key) == SHARD_END:
@@ -196,7 +269,12 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             raise
         end = SHARD_END if ended and info.closed else last
         if writer and n and end != position:
-            writer.finish(end)
+            try:
+                writer.finish(end)
+            except OSError as e:  # the spill only saves a read: the executor reads Kinesis
+                log.warning("%s: could not publish the spill of %s/%s (%s); its task reads Kinesis",
+                            NAME, info.stream, info.shard_id, e)
+                writer.abort()
         elif writer:
             writer.abort()
         at_tip = cap is None or n < cap or ended or (

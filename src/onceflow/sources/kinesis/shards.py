@@ -196,6 +196,24 @@ def raise_or_skip(s: Settings, stream: str, shard: str, position: str, why: str)
     log.warning("%s: %s; failOnDataLoss=false: continuing at the shard's trim horizon", NAME, msg)
 
 
+def accepted_losses(s: Settings) -> set[tuple[str, str]]:
+    """(stream, shard) of every reshard loss that ``eventLog`` says was accepted
+    (``source_data_loss`` with ``failed`` false): a shard reported once is not reported again,
+    even after ``failOnDataLoss`` is set back to true. Reads the whole event log: called only
+    when a loss is found."""
+    if not s.event_log:
+        return set()
+    from onceflow.checkpoint.eventlog import EventLog
+
+    try:
+        return {(e["stream"], e["shard"]) for e in EventLog(s.event_log).read()
+                if e.get("event") == "source_data_loss" and e.get("failed") is False
+                and str(e.get("cause", "")).startswith("reshard:") and e.get("source") == NAME}
+    except (OSError, KeyError) as e:
+        log.warning("%s: could not read the event log for accepted losses: %s", NAME, e)
+        return set()
+
+
 def record_event(s: Settings, event: str, **fields: Any) -> None:
     """Append an event to the job's event log (``eventLog``); never fails the query."""
     if not s.event_log:

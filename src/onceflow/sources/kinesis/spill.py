@@ -4,27 +4,58 @@ Kinesis has no call that returns a shard's newest sequence number, so the driver
 batch's records to find where the batch ends. Reading them again on an executor would double
 the shard's read traffic (its 2 MB/s and 5 GetRecords/s are shared by every consumer) and
 halve throughput. With ``eventLog`` (the checkpoint directory, set under a onceflow Job) the
-driver writes what it read to ``<checkpoint>/_onceflow/kinesis-spill/`` as one Arrow IPC file
-per shard range, under a temporary name renamed once complete; the executor task of that
-range reads the file instead of Kinesis.
+driver writes what it read to ``<checkpoint>/_onceflow/kinesis-spill/`` as one file per shard
+range, under a temporary name renamed once complete; the executor task of that range reads the
+file instead of Kinesis.
 
-Guarantees: a file holds exactly the records of ``(start, end]`` of one shard (its name
-carries stream, shard, a hash of start and the end), so reading it or Kinesis gives the same
-rows; a missing or unreadable file (a replay after a restart, a cleaned directory) means
-reading Kinesis. Files of committed ranges are deleted when Spark commits the batch.
+File layout (one file per range ``(start, end]`` of one shard)::
+
+    <Arrow IPC stream: schema, record batches, end-of-stream marker>   `bytes` bytes
+    <trailer: UTF-8 JSON {"v", "stream", "shard", "start", "end", "last", "rows", "bytes",
+              "sha256"}>
+    <trailer length: 4 bytes, little-endian>
+    <magic: b"OFSPILL1">
+
+The trailer is written after the data, so a file cut anywhere lacks it (or its data no
+longer has the length and checksum it records); it carries the range, the record count, the
+data's byte length and SHA-256, and the last sequence number written.
+
+Guarantees:
+
+- Publication: the file is written under a temporary name, flushed and (on a local
+  filesystem) fsynced, then renamed to its final name, and the directory is fsynced after the
+  rename; on an object store the upload of the complete file is the publication. A host crash
+  therefore leaves either no file, a temporary file (deleted by :func:`cleanup`), or a whole
+  one; a file damaged all the same (a filesystem without fsync, a disk error, a hand-edited
+  or truncated file) is caught by the reader.
+- Use: the executor uses a file only when its trailer is present, names this very range
+  (stream, shard, start, end; for a sequence-number end, the last record written is that
+  end), and the data has the recorded length and SHA-256; the record count is checked again
+  while reading. Anything else: the file is removed, one WARNING line says why, and the task
+  reads the range from Kinesis, which yields the same rows. A missing file (a replay after a
+  restart, a cleaned directory) also means reading Kinesis.
+- Cost: the reader checks the checksum in one pass over the file before yielding any row (a
+  row is never yielded from a file that turns out bad), then reads it again to yield the
+  batches (from the page cache locally); memory stays at one Arrow batch.
+- Files of committed ranges are deleted when Spark commits the batch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import os
+import struct
 import uuid
 from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from onceflow.sources.kinesis.options import SHARD_END, Positions, Settings, after, is_seq
+from onceflow.errors import SourceError
+from onceflow.sources.kinesis.options import NAME, SHARD_END, Positions, Settings, after, is_seq
 
 log = logging.getLogger("onceflow.sources.kinesis")
 
@@ -62,28 +93,80 @@ def _name(stream: str, shard: str, start: str, end: str) -> str:
     return f"{stream}~{shard}~{start_key}~{end}.arrow"
 
 
+MAGIC = b"OFSPILL1"
+_TAIL = struct.Struct("<I8s")  # trailer length, magic
+_CHUNK = 1 << 20
+
+
+class _Hashing:
+    """The file object the Arrow writer writes to: counts and hashes every byte it forwards."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.size, self.sha = f, 0, hashlib.sha256()
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        self.sha.update(view)
+        self.size += view.nbytes
+        self.f.write(view)
+        return view.nbytes
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:  # the Arrow writer does not own the file
+        self.closed = True
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SpillWriter:
     """Driver: streams one shard range's records to a file while the range is read ahead."""
 
     def __init__(self, s: Settings, stream: str, shard: str, start: str, schema: pa.Schema) -> None:
-        from onceflow.storage import url_to_fs
+        from onceflow.storage import is_local, url_to_fs
 
         self.stream, self.shard, self.start, self.schema = stream, shard, start, schema
         self.fs, self.dir = url_to_fs(_dir(s))
+        self.local = is_local(self.fs)
         self.fs.makedirs(self.dir, exist_ok=True)
         self.tmp = f"{self.dir}/.{uuid.uuid4().hex}.tmp"
         self._file = self.fs.open(self.tmp, "wb")
-        self._writer = pa.ipc.new_stream(self._file, schema)
+        self._data = _Hashing(self._file)
+        self._writer = pa.ipc.new_stream(self._data, schema)
+        self.rows, self.last = 0, start
 
     def add(self, records: list[dict]) -> None:
         if records:
             self._writer.write_batch(to_arrow(records, self.stream, self.shard, self.schema))
+            self.rows += len(records)
+            self.last = records[-1]["SequenceNumber"]
 
     def finish(self, end: str) -> None:
-        """Close and publish the file as the range ``(start, end]``."""
+        """Publish the file as the range ``(start, end]``: data, trailer, fsync, rename,
+        directory fsync (see the module's guarantees)."""
         self._writer.close()
+        trailer = json.dumps({"v": 1, "stream": self.stream, "shard": self.shard, "start": self.start,
+                              "end": end, "last": self.last, "rows": self.rows, "bytes": self._data.size,
+                              "sha256": self._data.sha.hexdigest()}, sort_keys=True).encode()
+        self._file.write(trailer + _TAIL.pack(len(trailer), MAGIC))
+        self._file.flush()
+        if self.local:
+            os.fsync(self._file.fileno())
         self._file.close()
         self.fs.mv(self.tmp, f"{self.dir}/{_name(self.stream, self.shard, self.start, end)}")
+        if self.local:
+            _fsync_dir(self.dir)
 
     def abort(self) -> None:
         try:
@@ -105,9 +188,52 @@ def spill_writer(s: Settings, stream: str, shard: str, start: str, schema: pa.Sc
         return None
 
 
+class BadSpill(Exception):
+    """A spill file that must not be used (why: the message)."""
+
+
+def _trailer(f: BinaryIO, size: int, want: dict[str, str]) -> dict[str, Any]:
+    """The file's trailer, checked against the range ``want`` (else BadSpill)."""
+    if size < _TAIL.size:
+        raise BadSpill(f"{size} bytes, shorter than a trailer")
+    f.seek(size - _TAIL.size)
+    length, magic = _TAIL.unpack(f.read(_TAIL.size))
+    if magic != MAGIC or length > size - _TAIL.size:
+        raise BadSpill("no trailer at its end (cut short, or not written whole)")
+    f.seek(size - _TAIL.size - length)
+    try:
+        meta = json.loads(f.read(length))
+    except ValueError:
+        raise BadSpill("unreadable trailer") from None
+    if not isinstance(meta, dict) or meta.get("v") != 1:
+        raise BadSpill("unknown trailer version")
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise BadSpill(f"its trailer says {key}={meta.get(key)!r}, not {value!r}")
+    if is_seq(want["end"]) and meta.get("last") != want["end"]:
+        raise BadSpill(f"its last record is {meta.get('last')!r}, not the range's end {want['end']}")
+    if meta.get("bytes") != size - _TAIL.size - length:
+        raise BadSpill(f"{size - _TAIL.size - length} data bytes, its trailer says {meta.get('bytes')}")
+    return meta
+
+
+def _checksum(f: BinaryIO, n: int) -> str:
+    f.seek(0)
+    sha, left = hashlib.sha256(), n
+    while left > 0:
+        chunk = f.read(min(_CHUNK, left))
+        if not chunk:
+            break
+        sha.update(chunk)
+        left -= len(chunk)
+    return sha.hexdigest()
+
+
 def read_spill(s: Settings, stream: str, shard: str, start: str, end: str,
                schema: pa.Schema) -> Iterator[pa.RecordBatch] | None:
-    """Executor: the range's batches from the driver's file, or None (read Kinesis)."""
+    """Executor: the range's batches from the driver's file, or None (read Kinesis).
+
+    A file that fails a check (see the module's guarantees) is removed, with one WARNING."""
     if not s.event_log:
         return None
     from onceflow.storage import url_to_fs
@@ -119,19 +245,41 @@ def read_spill(s: Settings, stream: str, shard: str, start: str, end: str,
     except OSError:
         return None
     try:
+        size = f.seek(0, os.SEEK_END)
+        meta = _trailer(f, size, {"stream": stream, "shard": shard, "start": start, "end": end})
+        if _checksum(f, meta["bytes"]) != meta["sha256"]:
+            raise BadSpill("its data does not match the SHA-256 of its trailer")
+        f.seek(0)
         reader = pa.ipc.open_stream(f)
-    except (OSError, pa.ArrowException):
+        if reader.schema != schema:
+            raise BadSpill("another schema")
+    except (BadSpill, OSError, pa.ArrowException) as e:
         f.close()
-        return None
-    if reader.schema != schema:
-        f.close()
+        _discard(fs, path, e)
         return None
 
     def batches() -> Iterator[pa.RecordBatch]:  # streamed: a large range is not held in memory
+        n = 0
         with f:
-            yield from reader
+            for batch in reader:
+                n += batch.num_rows
+                yield batch
+        if n != meta["rows"]:  # the checksum matched: only a writer bug gets here
+            _discard(fs, path, BadSpill(f"{n} records read, its trailer says {meta['rows']}"))
+            raise SourceError(f"{NAME}: spill file {path} held {n} records, its trailer says "
+                              f"{meta['rows']}; it was removed, the task's retry reads Kinesis")
 
     return batches()
+
+
+def _discard(fs: Any, path: str, why: BaseException) -> None:
+    """Remove an unusable spill file, with one line saying why (the task reads Kinesis)."""
+    try:
+        fs.rm(path)
+    except OSError:
+        pass
+    log.warning("%s: ignored and removed spill file %s (%s); reading the range from Kinesis",
+                NAME, path, " ".join(str(why).split()) or type(why).__name__)
 
 
 def cleanup(s: Settings, committed: Positions) -> None:
