@@ -1,4 +1,4 @@
-"""Task side of the PostgreSQL sink: a task's pre-commit (DESIGN.md section 3, step 2).
+"""Task side of the PostgreSQL sink: a task's pre-commit (docs/protocol.md, step 2).
 
 Guarantees (the driver side is :mod:`.source`):
 
