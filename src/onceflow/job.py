@@ -18,7 +18,7 @@ from onceflow.durations import seconds
 from onceflow.errors import ConfigError, OnceflowError
 from onceflow.runtime.context import RestoreContext, check_arity
 from onceflow.runtime.context import call as call_with_context
-from onceflow.runtime.restart import RestartStrategy, fixed_delay
+from onceflow.runtime.restart import RestartStrategy, default_strategy
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -86,7 +86,7 @@ class Job:
     checkpoint: CheckpointConfig
     #: ``df -> DataFrame``, or ``(df, RestoreContext) -> DataFrame``
     transform: Callable[..., DataFrame] | None = None
-    restart_strategy: RestartStrategy = field(default_factory=fixed_delay)
+    restart_strategy: RestartStrategy = field(default_factory=default_strategy)
     output_mode: Literal["append", "complete", "update"] = "append"
     master: str = "local[2]"
     #: a Spark Connect URL (``sc://host:15002``): run the query on that server instead
