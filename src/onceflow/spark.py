@@ -139,8 +139,10 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
     import pyspark
 
     check_spark_version(pyspark.__version__)
+    from onceflow.storage import spark_redaction_conf  # Spark redacts object-store secrets too
+
     if remote:
-        return _connect(remote, app_name, {**(conf or {}), **cli_conf()})
+        return _connect(remote, app_name, spark_redaction_conf({**(conf or {}), **cli_conf()}, connect=True))
     ensure_java()
     if submitted():
         master = None
@@ -149,7 +151,7 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
 
     builder = SparkSession.builder if master is None else SparkSession.builder.master(master)
     builder = builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
-    conf = {**(conf or {}), **cli_conf()}
+    conf = spark_redaction_conf({**(conf or {}), **cli_conf()})
     if not submitted():  # under spark-submit, its --conf settings win over onceflow's defaults
         conf = {**DEFAULTS, **conf}
         from onceflow.runtime import jvm_cache

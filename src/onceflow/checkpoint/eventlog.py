@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from onceflow.storage import is_local, url_to_fs
+from onceflow.storage import is_local, redact, url_to_fs
 
 log = logging.getLogger("onceflow.eventlog")
 
@@ -78,7 +78,7 @@ class EventLog:
 
     def append(self, event: str, **fields) -> dict:
         record = {"ts": round(time.time(), 3), "event": event, "pid": os.getpid(), **fields}
-        data = (json.dumps(record, default=str) + "\n").encode()
+        data = (redact(json.dumps(record, default=str)) + "\n").encode()  # no store secrets
         try:
             if self.local:
                 self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
