@@ -17,7 +17,7 @@ class ConnectServer:
     """``local[2]`` Spark Connect server on 127.0.0.1; its Python workers run this interpreter
     (and so import the onceflow under test)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, conf: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"sc://127.0.0.1:{self.port}"
         self.log = os.path.join(workdir, "connect-server.log")
@@ -27,6 +27,7 @@ class ConnectServer:
                "--class", "org.apache.spark.sql.connect.service.SparkConnectServer",
                "--master", "local[2]", "--conf", f"spark.connect.grpc.binding.port={self.port}",
                "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=4",
+               *[a for k, v in (conf or {}).items() for a in ("--conf", f"{k}={v}")],
                "--name", "onceflow-test-connect", "spark-internal"]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,

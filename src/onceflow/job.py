@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from onceflow.checkpoint.config import CheckpointConfig
+from onceflow.durations import seconds  # noqa: F401 - importable from here, as before
 from onceflow.errors import ConfigError
 from onceflow.runtime.launch import restore_request, run_in_process
-from onceflow.runtime.restart import RestartStrategy, fixed_delay
+from onceflow.runtime.restart import RestartStrategy, default_strategy
 from onceflow.savepoint.context import RestoreContext, check_arity
 from onceflow.savepoint.context import call as call_with_context
 from onceflow.storage import configure
@@ -45,7 +46,7 @@ class Job:
     checkpoint: CheckpointConfig
     #: ``df -> DataFrame``, or ``(df, RestoreContext) -> DataFrame``
     transform: Callable[..., DataFrame] | None = None
-    restart_strategy: RestartStrategy = field(default_factory=fixed_delay)
+    restart_strategy: RestartStrategy = field(default_factory=default_strategy)
     output_mode: Literal["append", "complete", "update"] = "append"
     master: str = "local[2]"
     #: a Spark Connect URL (``sc://host:15002``): run the query on that server instead

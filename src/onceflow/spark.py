@@ -32,6 +32,21 @@ def ensure_java() -> None:
         raise ConfigError(f"{java} is Java {major}; Spark 4 needs Java 17 or newer. {how}")
 
 
+#: The Spark line onceflow is built and tested against (pyproject pins pyspark to it): the
+#: Python Data Source streaming API and the checkpoint layout onceflow reads changed before it.
+SUPPORTED_SPARK = (4, 3)
+
+
+def check_spark_version(version: str, what: str = "pyspark") -> None:
+    """ConfigError, one line, when ``version`` is not a supported Spark (:data:`SUPPORTED_SPARK`)."""
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    if m is None or (int(m.group(1)), int(m.group(2))) != SUPPORTED_SPARK:
+        want = ".".join(map(str, SUPPORTED_SPARK))
+        raise ConfigError(f"{what} is Spark {version}; onceflow supports Spark {want}.x only "
+                          f"(pip install 'pyspark>={want},<{SUPPORTED_SPARK[0]}.{SUPPORTED_SPARK[1] + 1}'; "
+                          "README: Compatibility)")
+
+
 #: ``onceflow run --conf k=v``, as JSON, for every SparkSession the run's drivers create
 SPARK_CONF_ENV = "ONCEFLOW_SPARK_CONF"
 #: ``onceflow run --remote sc://host:15002``: drivers use a Spark Connect session
@@ -121,8 +136,13 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
     ``onceflow run --conf`` (``ONCEFLOW_SPARK_CONF``). The Spark UI is on (``spark.ui.port``,
     default 4040 or the next free port). ``remote``: a Spark Connect URL (``sc://host:15002``);
     the session is then a Connect client and ``master`` is the server's business."""
+    import pyspark
+
+    check_spark_version(pyspark.__version__)
+    from onceflow.storage import spark_redaction_conf  # Spark redacts object-store secrets too
+
     if remote:
-        return _connect(remote, app_name, {**(conf or {}), **cli_conf()})
+        return _connect(remote, app_name, spark_redaction_conf({**(conf or {}), **cli_conf()}, connect=True))
     ensure_java()
     if submitted():
         master = None
@@ -131,7 +151,7 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
 
     builder = SparkSession.builder if master is None else SparkSession.builder.master(master)
     builder = builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
-    conf = {**(conf or {}), **cli_conf()}
+    conf = spark_redaction_conf({**(conf or {}), **cli_conf()})
     if not submitted():  # under spark-submit, its --conf settings win over onceflow's defaults
         conf = {**DEFAULTS, **conf}
         from onceflow import jvm_cache
@@ -177,6 +197,7 @@ def _connect(remote: str, app_name: str, conf: dict[str, str]):
         # pyspark's own builder: it also switches pyspark to Connect mode for this process
         # (DDL strings, UDF return types are then parsed by the server).
         spark = SparkSession.builder.remote(remote).appName(app_name).getOrCreate()
+        check_spark_version(spark.version, f"the Spark Connect server {remote}")
         for key, value in session_conf.items():
             spark.conf.set(key, value)
         register_all(spark)

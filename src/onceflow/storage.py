@@ -17,22 +17,50 @@ Where the options come from, first match wins:
 
 Each is either one flat mapping, which applies to every URL that is not local, or a mapping
 from URL prefixes to flat mappings (``{"s3://lake": {...}, "gs://archive": {...}}``; the
-longest matching prefix wins). Local paths never get options. Secret values never appear in
-``repr``/``str`` of a :class:`StorageOptions`.
+longest matching prefix wins). Local paths never get options.
+
+Secrets (S3 ``secret``/``key``/``token``, Azure ``account_key``/``connection_string``/
+``sas_token``/``client_secret``, GCS ``token``/credentials, their delta-rs spellings) are
+redacted by one function, :func:`redact`, wherever onceflow shows them: ``repr`` of a
+:class:`StorageOptions`, log records and event-log lines of a process that has seen storage
+options (every secret value it parsed is masked in any text), and, through
+:func:`spark_redaction_conf`, Spark's own plans, UI, event log and Spark Connect statements,
+whose default ``spark.redaction.regex`` misses ``account_key`` and ``connection_string``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, overload
 
 from onceflow.errors import ConfigError
 
 ENV = "ONCEFLOW_STORAGE_OPTIONS"
 SECRET = re.compile(r"(?i)secret|password|token|key|credential|sas|connection_string|signature")
+#: Spark's default ``spark.redaction.regex`` (matched against setting/option names and values)
+SPARK_DEFAULT_REDACTION = r"(?i)secret|password|token|access[.]?key"
+#: what onceflow adds to it: object-store secrets Spark's default misses, and onceflow's own
+#: ``storage_options`` option (its whole JSON value is hidden)
+SPARK_REDACTION = (SPARK_DEFAULT_REDACTION + r"|account[._]?key|connection[._]?string|sas[._]?token"
+                   r"|credential|storage_options")
+#: a secret inside free text: ``name: value``/``name=value`` (JSON, dict repr, connection
+#: strings, SAS query strings, the JSON escaped inside a Spark Connect plan) and PEM private
+#: keys. Valid for Python's ``re`` and Java's regex alike (``spark.sql.redaction.string.regex``).
+SECRET_TEXT = (
+    r"(?i)(?:((?:account[_.]?key|accountkey|connection[_.]?string|sas[_.]?token|client[_.]?secret"
+    r"|secret[_.]?access[_.]?key|session[_.]?token|private[_.]?key|sharedaccesssignature|secret"
+    r"|token|password|credentials?|sig|(?<=['\x22])key(?=\\*['\x22]))\\*['\x22]?\s*[:=]\s*\\*['\x22]?)"
+    r"[^'\x22\\;&,}\s]+"
+    r"|-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----)"
+)
+_SECRET_TEXT = re.compile(SECRET_TEXT)
+_KNOWN: set[str] = set()  # secret values this process has parsed (masked in any text)
+_KNOWN_LOCK = threading.Lock()
 _LOCAL = {"", "file", "local"}
 _ALIASES = {"s3a": "s3", "s3n": "s3"}
 #: scheme -> (extra, package) for the "pip install" hint
@@ -68,16 +96,87 @@ class StorageOptions(dict):
     __str__ = __repr__
 
 
-def redact(options: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy with every value whose key looks secret replaced by ``***`` (nested too)."""
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        if isinstance(v, Mapping):
-            out[k] = redact(v)
-        elif SECRET.search(str(k)):
-            out[k] = "***"
-        else:
-            out[k] = v
+@overload
+def redact(value: Mapping[str, Any]) -> dict[str, Any]: ...
+@overload
+def redact(value: str) -> str: ...
+def redact(value: Mapping[str, Any] | str) -> dict[str, Any] | str:
+    """Secrets masked with ``***``: of a mapping, a copy with every value whose key looks secret
+    masked (nested too, and secrets inside the other string values); of a text, every
+    ``name=value``/``"name": "value"`` whose name looks secret, PEM private keys, and every
+    secret value this process has parsed from storage options, in whatever form it appears."""
+    if isinstance(value, Mapping):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            if isinstance(v, Mapping):
+                out[k] = redact(v)
+            elif SECRET.search(str(k)):
+                out[k] = "***"
+            else:
+                out[k] = redact(v) if isinstance(v, str) else v
+        return out
+    text = _SECRET_TEXT.sub(lambda m: f"{m.group(1)}***" if m.group(1) else "***", str(value))
+    for secret in sorted(_KNOWN, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _remember(options: Mapping[str, Any]) -> None:
+    """Note the secret values of ``options`` (and of connection strings in them) so that
+    :func:`redact` masks them in any text, and mask them in this process's log records."""
+    found = set()
+
+    def walk(d: Mapping[str, Any]) -> None:
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                walk(v)
+            elif isinstance(v, str) and SECRET.search(str(k)):
+                found.add(v)
+                found.update(m.group(0)[len(m.group(1) or ""):] for m in _SECRET_TEXT.finditer(v))
+    walk(options)
+    found = {f for f in found if len(f) >= 8}  # short values ("true", a region) are no secrets
+    with _KNOWN_LOCK:
+        new = found - _KNOWN
+        if new and not _KNOWN:
+            _redact_log_records()
+        _KNOWN.update(new)
+
+
+def _redact_log_records() -> None:
+    """From now on every log record of this process is created with its secrets masked."""
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = make(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string: leave it to logging's own report
+            return record
+        masked = redact(message)
+        if masked != message:
+            record.msg, record.args = masked, None
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+def spark_redaction_conf(conf: Mapping[str, str], *, connect: bool = False) -> dict[str, str]:
+    """``conf`` plus the settings that make Spark redact object-store secrets:
+    ``spark.redaction.regex`` (settings and options by name or value: UI, event log, plans;
+    a setting of the Spark application, so not on Spark Connect) extended with
+    :data:`SPARK_REDACTION`, ``spark.sql.redaction.options.regex`` likewise (per session), and
+    ``spark.sql.redaction.string.regex`` = :data:`SECRET_TEXT` (plan and statement text, e.g.
+    the Spark Connect UI's statements). A value the user gave is kept and extended, not replaced."""
+    out = dict(conf)
+
+    def extend(key: str, ours: str, default: str | None) -> None:
+        given = out.get(key) or default
+        out[key] = ours if not given or given == ours else f"(?:{given})|(?:{ours})"
+
+    if not connect:
+        extend("spark.redaction.regex", SPARK_REDACTION, None)
+    extend("spark.sql.redaction.options.regex", SPARK_REDACTION, "(?i)url")
+    extend("spark.sql.redaction.string.regex", SECRET_TEXT, None)
     return out
 
 
@@ -93,6 +192,7 @@ def as_options(options: Mapping[str, Any] | str | None, what: str) -> StorageOpt
     if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
         raise ConfigError(f"{what} must be a mapping of option names to values (or of URL prefixes "
                           "to such mappings)")
+    _remember(options)
     return StorageOptions(options)
 
 

@@ -188,3 +188,45 @@ def test_job_module_still_exposes_the_duration_parser():
     from onceflow.job import seconds
 
     assert seconds("1 min", "x") == 60 and seconds("500ms", "x") == 0.5
+
+
+# ---- the default: resets after a quiet period (issue 28, point 14) ---------------------
+
+MONTH = 30 * 24 * 3600.0
+
+
+def test_the_default_survives_failures_months_apart():
+    """Four outages a season apart: the old default (fixed_delay(3), counting over the whole
+    life) gave up on the 4th; the default now starts over after each quiet hour."""
+    from onceflow.job import CheckpointConfig, Job
+
+    job = Job("j", source=lambda spark: None, sink=object(), checkpoint=CheckpointConfig("/tmp/x"))
+    strategy = job.restart_strategy
+    delays = [strategy.on_failure(t) for t in (0.0, 3 * MONTH, 6 * MONTH, 9 * MONTH, 12 * MONTH)]
+    assert None not in delays, f"{strategy.describe()} ended the job: {delays}"
+    assert all(1 <= d <= 1.1 for d in delays)  # each one the first of its own series
+    # fixed_delay keeps Flink's semantics (documented): its count never resets
+    old = fixed_delay(attempts=3, delay=1)
+    assert [old.on_failure(t) for t in (0.0, 3 * MONTH, 6 * MONTH, 9 * MONTH)] == [1, 1, 1, None]
+
+
+def test_the_default_resets_only_after_a_quiet_hour():
+    s = parse("default")
+    s.jitter_factor = 0  # exact delays; the reset rule is what is checked
+    now, delays = 0.0, []
+    for _ in range(4):  # a burst: each failure soon after its restart
+        delays.append(s.on_failure(now))
+        now += delays[-1] + 60
+    assert delays == [1, 1.5, 2.25, 3.375] and s.attempt == 4
+    restart_due = now - 60
+    assert s.on_failure(restart_due + 3599) == 3.375 * 1.5  # ran 59:59: still the same series
+    restart_due += 3599 + 3.375 * 1.5
+    assert s.on_failure(restart_due + 3600) == 1 and s.attempt == 1  # ran a full hour: reset
+
+
+def test_the_default_spec_is_the_jobs_default_and_takes_no_parameters():
+    from onceflow.runtime.restart import default_strategy
+
+    assert parse("default").describe() == default_strategy().describe() == ExponentialDelay().describe()
+    with pytest.raises(ConfigError, match="takes no parameters"):
+        parse("default:initial_backoff=2s")

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from onceflow.checkpoint.layout import CheckpointDir
-from onceflow.storage import is_local
+from onceflow.storage import is_local, redact
 
 log = logging.getLogger("onceflow.eventlog")
 
@@ -80,7 +80,7 @@ class EventLog:
 
     def append(self, event: str, **fields) -> dict:
         record = {"ts": round(time.time(), 3), "event": event, "pid": os.getpid(), **fields}
-        data = (json.dumps(record, default=str) + "\n").encode()
+        data = (redact(json.dumps(record, default=str)) + "\n").encode()  # no store secrets
         try:
             if self.local:
                 self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)

@@ -11,6 +11,11 @@ failures (in-process restarts), the supervisor counts process crashes (process r
 
 ``parse("fixed_delay:attempts=5,delay=2s")`` builds one from a CLI spec; ``describe()`` prints
 the same form, so a logged strategy can be pasted back into ``--restart-strategy``.
+
+The default (:func:`default_strategy`, ``Job.restart_strategy`` and ``--restart-strategy
+default``) is Flink's ``exponential-delay`` with Flink's defaults: delays grow from 1 s to at
+most 1 min, and the count starts over after the job ran 1 h without failing, so failures months
+apart never add up to an end. ``fixed_delay`` keeps Flink's semantics: its count never resets.
 """
 
 from __future__ import annotations
@@ -217,7 +222,7 @@ class NoRestart(_Builtin):
 
 
 def fixed_delay(attempts: int = 3, delay: Duration = 1.0) -> FixedDelay:
-    """Restart up to ``attempts`` times, ``delay`` apart (onceflow's default: 3 × 1 s)."""
+    """Restart up to ``attempts`` times in total, ``delay`` apart; the count never resets (Flink)."""
     return FixedDelay(attempts, delay)
 
 
@@ -235,6 +240,15 @@ def exponential_delay(
         initial_backoff, max_backoff, backoff_multiplier, reset_backoff_threshold,
         jitter_factor, attempts_before_reset_backoff, rng,
     )
+
+
+def default_strategy() -> ExponentialDelay:
+    """onceflow's default: :func:`exponential_delay` with Flink's defaults (1 s growing by 1.5×
+    to 1 min, ±10 % jitter, reset after 1 h without a failure, no limit on attempts). A job
+    with a lasting fault keeps retrying at most once a minute, logging each retry, and
+    never ends on failures spread over its life; errors a restart cannot fix (configuration,
+    fencing) still stop it at once."""
+    return ExponentialDelay()
 
 
 def failure_rate(
@@ -255,6 +269,7 @@ STRATEGIES: dict[str, type[_Builtin]] = {
     c.name: c for c in (FixedDelay, ExponentialDelay, FailureRate, NoRestart)
 }
 # Flink's spellings (restart-strategy.type) are accepted too.
+DEFAULT_SPEC = "default"  # ``--restart-strategy default``: :func:`default_strategy`
 _ALIASES = {"fixeddelay": "fixed_delay", "exponentialdelay": "exponential_delay",
             "failurerate": "failure_rate", "off": "none", "disable": "none", "no_restart": "none"}
 _KIND_HINT = {"int": "<int>", "count": "<int|infinite>", "float": "<number>", "duration": "<duration>"}
@@ -265,7 +280,8 @@ def _usage() -> str:
     for name, cls in STRATEGIES.items():
         args = ",".join(f"{p}={_KIND_HINT[k]}" for p, k in cls.params.items())
         forms.append(f"{name}:{args}" if args else name)
-    return "valid: " + "; ".join(forms) + " (every parameter is optional; durations like 10s, 1min)"
+    return ("valid: " + "; ".join(forms) + f"; {DEFAULT_SPEC} (every parameter is optional; "
+            "durations like 10s, 1min)")
 
 
 def _convert(value: str, kind: str, what: str) -> object:
@@ -284,11 +300,17 @@ def _convert(value: str, kind: str, what: str) -> object:
 def parse(spec: str) -> RestartStrategy:
     """Build a strategy from ``name[:param=value,...]``, e.g. ``fixed_delay:attempts=5,delay=2s``.
 
-    Names and parameters may use Flink's dashes (``fixed-delay``, ``failure-rate-interval``).
-    Raises ConfigError, listing the valid names and parameters, for anything it cannot read.
+    Names and parameters may use Flink's dashes (``fixed-delay``, ``failure-rate-interval``);
+    ``default`` is :func:`default_strategy`. Raises ConfigError, listing the valid names and
+    parameters, for anything it cannot read.
     """
     head, _, body = (spec or "").strip().partition(":")
     key = head.strip().lower().replace("-", "_")
+    if key == DEFAULT_SPEC:
+        if body.strip():
+            raise ConfigError(f"restart strategy {DEFAULT_SPEC!r} takes no parameters; give "
+                              f"'exponential_delay:...' to change them; {_usage()}")
+        return default_strategy()
     key = _ALIASES.get(key, key)
     cls = STRATEGIES.get(key)
     if cls is None:

@@ -27,7 +27,8 @@ class DeltaSink(Sink):
     sinks of one job writing the same table. ``storage_options``: object-store options for this
     table (fsspec or delta-rs keys, docs/object-stores.md); default: the job's, else
     ``ONCEFLOW_STORAGE_OPTIONS``. They reach the executors as the ``storage_options`` option
-    (JSON; Spark redacts option values that look secret in plans and the UI).
+    (JSON; hidden in Spark's UI, plans and Connect statements by the redaction settings
+    ``get_spark`` adds, see :func:`onceflow.storage.spark_redaction_conf`).
     ``writer``: ``jvm`` (Spark's own Parquet writer per batch, committed by onceflow; Job API
     on a classic session, local tables), ``arrow`` (a Python data source: any URL, Spark
     Connect, also plain ``writeStream``), or ``auto`` (default: ``jvm`` where it runs, else
