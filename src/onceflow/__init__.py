@@ -1,7 +1,7 @@
 """onceflow: exactly-once effects for PySpark Structured Streaming.
 
 Public API: :class:`Job`, :class:`CheckpointConfig`, the sinks (:class:`DeltaSink`,
-``PostgresSink``, ``KafkaSink``), sources and the restart strategies.
+``PostgresSink``, ``KafkaSink``, ``IcebergSink``), sources and the restart strategies.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ _EXPORTS = {
     "DeltaSink": "onceflow.sinks.delta",
     "PostgresSink": "onceflow.sinks.postgres",
     "KafkaSink": "onceflow.sinks.kafka",
+    "IcebergSink": "onceflow.sinks.iceberg",
     "KafkaSource": "onceflow.sources.kafka",
     "KinesisSource": "onceflow.sources.kinesis",
     "RestartStrategy": "onceflow.runtime.restart",
