@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -192,3 +193,40 @@ def test_a_postgresql_catalog_decides_and_fences_the_same_way(pg, tmp_path):
     mine, _ = b.pre_commit(TaskInfo(lineage, 0, 0, 1), SCHEMA, False, iter(_rows([7, 8])))
     b.decide(Decision(lineage, 0, "fp", [mine], eb), SCHEMA, False)
     assert _ids(b) == [7, 8] and b.decision(lineage, 0).epoch == eb
+
+
+def test_a_plain_writestream_creates_the_table_and_writes_each_row_once(spark, tmp_path):
+    """``writeStream.format("onceflow-iceberg")`` without a Job: the table is created when the
+    query starts (tasks need its location before any commit); a second run of the same
+    checkpoint adds only new rows."""
+    from pyiceberg.catalog.sql import SqlCatalog
+    from pyiceberg.exceptions import NoSuchTableError
+
+    from onceflow.spark import register_all
+
+    register_all(spark)
+    catalog = f"sqlite:///{tmp_path}/catalog.db"
+
+    def ids() -> list[int]:
+        try:
+            table = SqlCatalog("onceflow", uri=catalog).load_table("lake.plain")
+        except NoSuchTableError:
+            return []
+        return sorted(table.scan().to_arrow().column("id").to_pylist())
+
+    def run(total: int) -> None:
+        df = (spark.readStream.format("onceflow-sequence").option("total", total)
+              .option("rows_per_second", 10**9).option("max_rows_per_batch", 500).option("partitions", 2)
+              .load().select("id"))
+        q = (df.writeStream.format("onceflow-iceberg").option("catalog", catalog).option("table", "lake.plain")
+             .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(processingTime="100 milliseconds")
+             .start())
+        deadline = time.monotonic() + 240
+        while len(ids()) < total and q.exception() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        q.stop()
+        assert q.exception() is None
+
+    run(1000)
+    run(1500)
+    assert ids() == list(range(1500))

@@ -10,11 +10,12 @@ One small surface, resolved once per process and handed down:
 * a mapping of pyiceberg catalog properties (``{"type": "rest", "uri": ...}``, ``{"type":
   "glue"}``, ...) -> ``pyiceberg.catalog.load_catalog(name, **properties)``.
 
-The exactly-once guarantee rests on the catalog's conditional commit: pyiceberg's SQL catalog
-swaps the table's metadata pointer only where it is still the one the commit was based on
-(``UPDATE ... WHERE metadata_location = <base>``), a REST catalog checks the commit's
-requirements (the ``main`` branch still at its base snapshot) on the server. Either way a
-commit based on stale metadata raises ``CommitFailedException`` and changes nothing.
+The exactly-once guarantee rests on the catalog's conditional commit: every commit of the sink
+requires the ``main`` branch to still be at the snapshot it was based on. pyiceberg's SQL
+catalog checks that against the current metadata and then swaps the metadata pointer only if
+no one swapped it meanwhile (``UPDATE ... WHERE metadata_location = <the one it checked>``); a
+REST catalog checks it on the server. Either way a commit based on stale metadata raises
+``CommitFailedException`` and changes nothing.
 """
 
 from __future__ import annotations

@@ -163,12 +163,15 @@ class IcebergDataSource(TwoPhaseCommitSink):
     # ---- validation -----------------------------------------------------------------
 
     def validate(self, schema: StructType, overwrite: bool) -> None:
+        """Append only; the table is created from ``schema`` if missing, else its columns must
+        match the stream's."""
         if overwrite:
             raise ConfigError("onceflow-iceberg: the query's output mode is complete; the Iceberg "
                               "sink supports append only so far (use outputMode('append'))")
         table = self._table()
-        if table is None:
-            return
+        if table is None:  # created now, so that tasks know where to write before any commit
+            self.write_schema = schema
+            table = self._create()
         want = {f.name: f.type for f in to_arrow_schema(schema)}
         have = {f.name: f.type for f in table.schema().as_arrow()}
         if want.keys() != have.keys():
@@ -355,6 +358,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
             remove_units(fs, path, decision.lineage, losing)
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
+        if "_location" not in self.__dict__ and self._table() is None:
+            return  # no table: no task could have written
         fs, path = self._data_dir()
         for name in {h["path"] for h in handles if h}:
             if fs.exists(f"{path}/{name}"):
