@@ -244,6 +244,9 @@ class IcebergDataSource(TwoPhaseCommitSink):
                 return epoch
             except CommitFailedException:
                 continue  # another commit landed first: read the metadata again
+            except Exception as e:  # noqa: BLE001 - the catalog's database down, a lock timeout...
+                raise SinkError(f"onceflow-iceberg: cannot open {self.identifier} for lineage "
+                                f"{lineage}: {e}") from e
         raise SinkError(f"onceflow-iceberg: {self.identifier} changed under every one of "
                         f"{_MAX_CONFLICTS} attempts to take an epoch; retried by the restart strategy")
 
@@ -314,9 +317,10 @@ class IcebergDataSource(TwoPhaseCommitSink):
                              summary, names)
             except (CommitFailedException, CommitStateUnknownException):
                 continue
-            except (FileNotFoundError, ValueError) as e:  # a pre-committed file is gone or unreadable
-                raise SinkError(f"onceflow-iceberg: cannot add batch {decision.batch_id}'s files to "
-                                f"{self.identifier}: {e}") from e
+            except Exception as e:  # noqa: BLE001 - a file gone, the catalog's database down...
+                # Whether or not it landed, the restarted driver's step 3 finds out.
+                raise SinkError(f"onceflow-iceberg: commit of batch {decision.batch_id} to "
+                                f"{self.identifier} failed: {e}") from e
             self._remember(decision)
             maybe_crash("after_catalog_commit", decision.batch_id, None, self.opts)
             return
