@@ -325,6 +325,7 @@ def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, 
 # ---- crash windows -----------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(600)  # 7-8 in-process restarts; a loaded 2-core machine took over 300 s
 @pytest.mark.parametrize("case", SINKS, indirect=True)
 def test_crash_windows(spark, case: Case, tmp_path):
     """One fault per batch, each window once; the query restarts in-process after each."""
