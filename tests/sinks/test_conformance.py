@@ -329,7 +329,7 @@ def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, 
 @pytest.mark.parametrize("case", SINKS, indirect=True)
 def test_crash_windows(spark, case: Case, tmp_path):
     """One fault per batch, each window once; the query restarts in-process after each."""
-    total, per_batch = 1000 * (len(case.points) + 2), 1000
+    total, per_batch = max(9000, 1000 * (len(case.points) + 2)), 1000  # a batch per fault, and more
     markers = tmp_path / "markers"
     markers.mkdir()
     rules = ",".join(f"{p}@{i + 1}:raise" for i, p in enumerate(case.points))
