@@ -74,13 +74,14 @@ def run(spark, fmt: str, pipeline: str, per_batch: int, batches: int, root: str,
             raise SystemExit(f"{fmt}: {q.exception()}")
         time.sleep(0.02)
     q.stop()
-    progress = [p for p in q.recentProgress if p.numInputRows and p.batchId <= last]
+    every = [p for p in q.recentProgress if p.numInputRows]  # a batch after K+1 may have run
+    progress = [p for p in every if p.batchId <= last]
     if any(p.durationMs["triggerExecution"] > interval * 1000 for p in progress[2:]):
         print(f"  note: a batch took longer than --interval {interval:g}s; raise it if a query stops mid-batch")
     timed = [p for p in progress if p.batchId >= 2]
     rows = sum(p.numInputRows for p in timed)
     seconds = sum(p.durationMs["triggerExecution"] for p in timed) / 1000
-    total, expected = written(spark, fmt, out), sum(p.numInputRows for p in progress)
+    total, expected = written(spark, fmt, out), sum(p.numInputRows for p in every)
     if total != expected:
         raise SystemExit(f"{fmt}: {total:,} rows in the output, expected {expected:,}")
     return rows / seconds
