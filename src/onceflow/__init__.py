@@ -1,7 +1,7 @@
 """onceflow: exactly-once effects for PySpark Structured Streaming.
 
 Public API: :class:`Job`, :class:`CheckpointConfig`, the sinks (:class:`DeltaSink`,
-``PostgresSink``, ``KafkaSink``), sources and the restart strategies.
+``PostgresSink``, ``KafkaSink``, ``IcebergSink``), sources and the restart strategies.
 
 Names are imported on first use (``import onceflow`` stays cheap and optional extras stay
 optional); the ``TYPE_CHECKING`` block below shows the same names to type checkers and IDEs,
@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # keep in step with _EXPORTS (tests/test_package.py checks)
     )
     from onceflow.savepoint.context import RestoreContext
     from onceflow.sinks.delta import DeltaSink
+    from onceflow.sinks.iceberg import IcebergSink
     from onceflow.sinks.kafka import KafkaSink
     from onceflow.sinks.postgres import PostgresSink
     from onceflow.sources.kafka import KafkaSource
@@ -42,6 +43,7 @@ _EXPORTS = {
     "DeltaSink": "onceflow.sinks.delta",
     "PostgresSink": "onceflow.sinks.postgres",
     "KafkaSink": "onceflow.sinks.kafka",
+    "IcebergSink": "onceflow.sinks.iceberg",
     "KafkaSource": "onceflow.sources.kafka",
     "KinesisSource": "onceflow.sources.kinesis",
     "RestartStrategy": "onceflow.runtime.restart",
@@ -56,6 +58,7 @@ _EXPORTS = {
 __all__ = [
     "CheckpointConfig",
     "DeltaSink",
+    "IcebergSink",
     "Job",
     "KafkaSink",
     "KafkaSource",

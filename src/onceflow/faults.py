@@ -31,6 +31,8 @@ POINTS = (
     "after_decision_lookup",  # driver: looked up batch N's decision (none), nothing decided
     "before_decide",  # driver: all tasks pre-committed, nothing decided yet
     "after_decide",  # driver: decision durable, nothing visible yet
+    "after_catalog_commit",  # driver (Iceberg): the catalog took the batch's snapshot, its reply
+    # is lost (raise: the commit fails as if the reply never came; kill: the driver dies)
     "mid_commit",  # driver: some handles visible
     "after_commit",  # driver: batch visible, Spark has not written commits/N
 )

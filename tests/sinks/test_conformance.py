@@ -19,6 +19,10 @@ and ``delta-jvm`` (Spark's Parquet writer under ``foreachBatch``, committed by t
 each also on a table partitioned by ``p = id % 32`` (``-part``; the reader also checks every
 row's partition value).
 
+Iceberg runs on an SQLite catalog and has one more window, ``after_catalog_commit``: the
+catalog took the batch's snapshot and the commit raises as if its reply were lost; its output is
+read back through pyiceberg's scan of the table's metadata.
+
 Kafka runs on tansu, which does not hide aborted transactions from read_committed readers
 (the sink's probe refuses exactly_once there; here it is bypassed). In these windows no
 transaction that carries data is ever aborted, so counting every record is honest.
@@ -44,7 +48,8 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
-SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "postgres-two_phase", "postgres-idempotent", "kafka"]
+SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "postgres-two_phase", "postgres-idempotent",
+         "kafka", "iceberg"]
 
 
 # ---- the sinks under test ----------------------------------------------------------------------
@@ -105,6 +110,30 @@ def _postgres_case(pg, mode: str) -> Case:
                 read_ids, dangling, points)
 
 
+def _iceberg_case(tmp_path: Path) -> Case:
+    """A SQLite catalog; read back through pyiceberg's scan (the table's metadata), dangling =
+    Parquet files in the table's data/ directory that the current snapshot does not list."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    db, warehouse = tmp_path / "catalog.db", tmp_path / "warehouse"
+
+    def table():
+        return SqlCatalog("onceflow", uri=f"sqlite:///{db}", warehouse=f"file://{warehouse}").load_table("lake.conf")
+
+    def read_ids() -> list[int]:
+        return table().scan().to_arrow().column("id").to_pylist()
+
+    def dangling() -> list[str]:
+        t = table()
+        live = {p.rsplit("/", 1)[-1] for p in t.inspect.files().column("file_path").to_pylist()}
+        data = Path(t.location().removeprefix("file://")) / "data"
+        return sorted(n for n in os.listdir(data) if n.endswith(".parquet") and n not in live)
+
+    points = (*Case.points, "after_catalog_commit")
+    return Case("iceberg", {"CATALOG": f"sqlite:///{db}", "WAREHOUSE": str(warehouse)}, read_ids, dangling,
+                points)
+
+
 def _kafka_case(bootstrap: str) -> Case:
     from confluent_kafka import Consumer, TopicPartition
 
@@ -149,6 +178,8 @@ def case(request, tmp_path) -> Case:
         return _delta_case(tmp_path, "jvm" if "-jvm" in kind else "arrow", kind.endswith("-part"))
     if kind.startswith("postgres"):
         return _postgres_case(request.getfixturevalue("pg"), kind.split("-", 1)[1])
+    if kind == "iceberg":
+        return _iceberg_case(tmp_path)
     return _kafka_case(request.getfixturevalue("kafka_bootstrap"))
 
 
@@ -168,6 +199,9 @@ def build_sink(env):
         from onceflow import PostgresSink
         return PostgresSink(env["DSN"], env["PGTABLE"], mode=env["MODE"], create_table=True,
                             sink_id=env["SINK_ID"], commit_deadline=20)
+    if kind == "iceberg":
+        from onceflow import IcebergSink
+        return IcebergSink(env["CATALOG"], "lake.conf", warehouse=env["WAREHOUSE"])
     from onceflow.sinks.kafka import KafkaSink
     sink = KafkaSink(env["BOOTSTRAP"], env["TOPIC"],
                      producer_config={"batch.num.messages": 1, "linger.ms": 0})
@@ -326,10 +360,11 @@ def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, 
 # ---- crash windows -----------------------------------------------------------------------------
 
 
+@pytest.mark.timeout(600)  # 7-8 in-process restarts; a loaded 2-core machine took over 300 s
 @pytest.mark.parametrize("case", SINKS, indirect=True)
 def test_crash_windows(spark, case: Case, tmp_path):
     """One fault per batch, each window once; the query restarts in-process after each."""
-    total, per_batch = 9000, 1000
+    total, per_batch = max(9000, 1000 * (len(case.points) + 2)), 1000  # a batch per fault, and more
     markers = tmp_path / "markers"
     markers.mkdir()
     rules = ",".join(f"{p}@{i + 1}:raise" for i, p in enumerate(case.points))

@@ -9,6 +9,7 @@ SINKS: dict[str, str] = {
     "onceflow-delta": "onceflow.sinks.delta:DeltaDataSource",
     "onceflow-postgres": "onceflow.sinks.postgres:PostgresDataSource",
     "onceflow-kafka-sink": "onceflow.sinks.kafka.sink:KafkaSinkDataSource",
+    "onceflow-iceberg": "onceflow.sinks.iceberg:IcebergDataSource",
 }
 
 

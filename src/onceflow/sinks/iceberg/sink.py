@@ -1,0 +1,57 @@
+"""``IcebergSink``: the Iceberg sink's configuration for a :class:`~onceflow.Job`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from onceflow.errors import ConfigError
+from onceflow.sinks.base import Sink
+from onceflow.sinks.iceberg.catalog import catalog_spec
+from onceflow.storage import as_options
+
+
+@dataclass
+class IcebergSink(Sink):
+    """Exactly-once Apache Iceberg sink (pyiceberg; ``pip install 'onceflow[iceberg]'``).
+
+    ``catalog``: a SQLAlchemy URL of a pyiceberg SQL catalog, ``sqlite:///path/catalog.db``
+    (embedded: one file, nothing to run) or ``postgresql+psycopg://user:pw@host/db``; or a dict
+    of pyiceberg catalog properties (``{"type": "rest", "uri": ...}``). ``table``:
+    ``namespace.name``, created from the stream's schema when the job starts if missing.
+    ``warehouse``: where new tables' files go (SQLite default: ``warehouse/`` beside the
+    database; required for PostgreSQL). ``sink_id`` distinguishes two Iceberg sinks of one job
+    writing the same table. ``mode``: ``append`` (the only mode so far). Every driver and
+    executor must reach the catalog and the warehouse. docs/iceberg-sink.md.
+    """
+
+    catalog: str | Mapping[str, Any]
+    table: str
+    warehouse: str | None = None
+    sink_id: str = "iceberg"
+    mode: str | None = None
+    catalog_name: str = "onceflow"
+    storage_options: Mapping[str, Any] | None = None
+
+    format_name = "onceflow-iceberg"
+
+    def __post_init__(self) -> None:
+        catalog_spec(self.catalog, self.warehouse, self.catalog_name)  # ConfigError early
+        if self.mode not in (None, "append"):
+            raise ConfigError(f"IcebergSink.mode={self.mode!r} is not supported yet; use 'append' "
+                              "(upsert and complete are not implemented)")
+        self.storage_options = as_options(self.storage_options, "IcebergSink.storage_options")
+
+    def options(self) -> dict[str, str]:
+        catalog = self.catalog if isinstance(self.catalog, str) else json.dumps(dict(self.catalog))
+        opts = {"catalog": catalog, "table": self.table, "sink_id": self.sink_id,
+                "catalog_name": self.catalog_name}
+        if self.warehouse:
+            opts["warehouse"] = str(self.warehouse)
+        if self.mode:
+            opts["mode"] = self.mode
+        if self.storage_options:
+            opts["storage_options"] = json.dumps(dict(self.storage_options))
+        return opts
