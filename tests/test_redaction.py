@@ -11,8 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 # values that Spark's default regex (it matches values too) does not catch by themselves
 HADOOP_KEY = "hK7qZ2xW9mV4pL0aQ"   # spark.hadoop.fs.azure.account.key.<acct>...
 ACCOUNT_KEY = "aK3rT8yU1iO5pQ7sW"  # storage_options account_key
@@ -96,8 +94,6 @@ def test_spark_redaction_conf_extends_what_the_user_gave():
     assert conf["spark.sql.redaction.string.regex"] == SECRET_TEXT
     assert "spark.redaction.regex" not in spark_redaction_conf({}, connect=True)
 
-
-@pytest.mark.slow
 def test_no_azure_secret_in_the_spark_connect_servers_statements(tmp_path):
     """Over Spark Connect the sink's options travel in the plan, and the Connect server's UI
     shows each statement; the session's ``spark.sql.redaction.string.regex`` (set by

@@ -157,3 +157,15 @@ def test_a_holder_that_has_not_renewed_for_its_ttl_knows_it_by_its_own_clock(tmp
         lease.check()
     assert lease.lost.is_set()
     lease.release()
+
+
+def test_a_paused_holder_whose_successor_took_over_is_fenced_not_just_lapsed(tmp_path):
+    """A holder paused past its TTL (SIGSTOP, a VM freeze) wakes to find both its TTL run out and
+    a newer epoch: it is fenced (exit 5, not restarted), not merely lapsed (exit 1, restarted)."""
+    a = DriverLease(str(tmp_path), "job", ttl_s=0.5, renew_s=3600).acquire()
+    assert a.lost.wait(5)  # its renewal thread found the TTL run out first (what the runner polls)
+    b = DriverLease(str(tmp_path), "job", ttl_s=30, renew_s=3600).acquire(takeover=True)
+    assert isinstance(a.lost_error(), FencedError) and "newer driver" in str(a.lost_error())
+    with pytest.raises(FencedError, match="newer driver took the lease"):
+        a.check()
+    b.release()

@@ -50,6 +50,11 @@ from onceflow.verify.exactly_once import check_ids
 
 SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "postgres-two_phase", "postgres-idempotent",
          "kafka", "iceberg"]
+#: the crash windows and the zombie chains run minutes per sink: every sink and write path, and
+#: partitioning on the Arrow path only (both writers' partitioned commits are also crashed and
+#: replayed in test_delta_partitioned.py; the fence does not depend on partitioning)
+CRASHED = [s for s in SINKS if s != "delta-jvm-part"]
+ZOMBIES = [s for s in SINKS if not s.endswith("-part")]
 
 
 # ---- the sinks under test ----------------------------------------------------------------------
@@ -361,7 +366,7 @@ def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, 
 
 
 @pytest.mark.timeout(600)  # 7-8 in-process restarts; a loaded 2-core machine took over 300 s
-@pytest.mark.parametrize("case", SINKS, indirect=True)
+@pytest.mark.parametrize("case", CRASHED, indirect=True)
 def test_crash_windows(spark, case: Case, tmp_path):
     """One fault per batch, each window once; the query restarts in-process after each."""
     total, per_batch = max(9000, 1000 * (len(case.points) + 2)), 1000  # a batch per fault, and more
@@ -432,7 +437,7 @@ def _wait_commit(ckpt: Path, batch: int, after: float, timeout: float = 120) -> 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("case", SINKS, indirect=True)
+@pytest.mark.parametrize("case", ZOMBIES, indirect=True)
 def test_zombie_drivers_are_fenced(case: Case, tmp_path):
     """Three drivers on three hosts, each taking over from a paused predecessor (see module doc)."""
     total, per_batch = 9000, 1000

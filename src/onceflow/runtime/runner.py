@@ -320,7 +320,8 @@ class JobRunner:
         while True:
             if lease is not None and lease.lost.is_set():
                 query.stop()
-                raise type(lease.lost_error())(f"job {job.name}: {lease.lost_reason}; this driver stopped its query")
+                lost = lease.lost_error()
+                raise type(lost)(f"job {job.name}: {lost}; this driver stopped its query")
             if query.awaitTermination(0.25):
                 self._record_progress(query, seen)
                 exc = query.exception()

@@ -325,8 +325,17 @@ class DriverLease:
             raise self.lost_error()
 
     def lost_error(self) -> FencedError | LeaseLost:
-        """Why the lease is lost: FencedError when a newer driver took it, else LeaseLost (its
-        renewals failed for the TTL: the store was out of reach or this process paused)."""
+        """Why the lease is lost: FencedError when a newer driver took it (looked up again now: a
+        paused holder first finds its TTL run out, then the successor's epoch), else LeaseLost
+        (its renewals failed for the TTL: the store was out of reach or this process paused)."""
+        if not self.lost_to_newer:
+            try:
+                newer = [e for e in self._epochs() if e > (self.epoch or 0)]
+            except Exception:  # noqa: BLE001 - the store is still out of reach: LeaseLost
+                newer = []
+            if newer:
+                self.lost_to_newer = True
+                self.lost_reason = f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})"
         return (FencedError if self.lost_to_newer else LeaseLost)(self.lost_reason)
 
     def _lose(self, reason: str, newer: bool = False) -> None:
