@@ -69,7 +69,9 @@ def test_local_masters_get_the_directory_and_the_users_settings_win():
     env: dict[str, str] = {}
     conf = scratch.spark_conf("/s/d", "local[2]", {"spark.driver.extraJavaOptions": "-Xss4m"}, env)
     assert conf == {"spark.driver.extraJavaOptions": "-Djava.io.tmpdir=/s/d -Xss4m"}
-    assert env == {"SPARK_LOCAL_DIRS": "/s/d"}
+    assert env == {"SPARK_LOCAL_DIRS": "/s/d", "ONCEFLOW_SPARK_LOCAL_DIRS": "/s/d"}
+    scratch.spark_conf("/s/e", "local[2]", {}, env)  # a later job of the process: its own
+    assert env["SPARK_LOCAL_DIRS"] == "/s/e"
     for master, conf, given in (("spark://h:7077", {}, {}), ("local", {"spark.local.dir": "/m"}, {}),
                                 ("local", {}, {"SPARK_LOCAL_DIRS": "/m"})):
         env = dict(given)

@@ -30,6 +30,8 @@ from onceflow.process import start_time
 log = logging.getLogger("onceflow.scratch")
 
 ENV = "ONCEFLOW_SCRATCH_DIR"
+#: the SPARK_LOCAL_DIRS onceflow set (a later job of the process, or a child, may replace it)
+_SET_ENV = "ONCEFLOW_SPARK_LOCAL_DIRS"
 
 
 def job_dir(job_name: str, checkpoint_url: str) -> str:
@@ -79,9 +81,9 @@ def spark_conf(path: str, master: str | None, conf: dict[str, str],
     environment, which the driver JVM inherits); settings the user gave win."""
     environ = os.environ if environ is None else environ  # type: ignore[assignment]
     out = dict(conf)
-    if (master and master.startswith("local") and "spark.local.dir" not in out
-            and not environ.get("SPARK_LOCAL_DIRS")):
-        environ["SPARK_LOCAL_DIRS"] = path
+    ours = environ.get("SPARK_LOCAL_DIRS") == environ.get(_SET_ENV)  # unset, or set by onceflow
+    if master and master.startswith("local") and "spark.local.dir" not in out and ours:
+        environ["SPARK_LOCAL_DIRS"] = environ[_SET_ENV] = path
     java = out.get("spark.driver.extraJavaOptions", "")
     if "java.io.tmpdir" not in java:
         out["spark.driver.extraJavaOptions"] = f"-Djava.io.tmpdir={path} {java}".strip()
