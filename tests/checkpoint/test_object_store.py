@@ -48,9 +48,10 @@ def test_two_contenders_race_for_one_epoch_and_exactly_one_wins(s3):
     assert len(won) == 1 and len(lost) == 1, outcome
     assert "at the same moment" in str(lost[0])
     puts = [r for r in s3.requests if r[0] == "PUT" and r[1].endswith(record)]
-    # the contenders' creates come first (the winner's renewals may follow, without the header)
-    assert sorted(r[4] for r in puts[:2]) == ["200", "412"]  # the store decided: a conditional put
-    assert all(r[2] == "*" for r in puts[:2])  # If-None-Match: *
+    # the contenders' creates carry If-None-Match: * (the winner's renewals, which may be answered
+    # before the loser's create on a loaded machine, do not)
+    creates = [r for r in puts if r[2] == "*"]
+    assert sorted(r[4] for r in creates) == ["200", "412"]  # the store decided: a conditional put
 
     winner = leases[won[0]]
     assert winner.epoch == 1 and DriverLease(ckpt, "x").holder()["token"] == winner.token
