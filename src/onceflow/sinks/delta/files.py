@@ -58,6 +58,23 @@ def unit(path: str) -> str:
     return path.split("/", 1)[0]
 
 
+def orphan_rule(keep: set[str], mine: int | None, last: int,
+                last_files: set[str] | None) -> Callable[[int, int, str], bool]:
+    """Whether a file of (batch, epoch, name) is an orphan that recovery may delete: not in
+    flight (``keep``), written under an older epoch than ``mine``, and either of a batch after
+    the last decided one or of the last decided batch but not in its decision (``last_files``;
+    None: the decision's files are unknown, keep them all)."""
+
+    def orphan(b: int, e: int, name: str) -> bool:
+        if name in keep or (mine is not None and e >= mine):
+            return False
+        if b > last:
+            return True
+        return b == last and last_files is not None and name not in last_files
+
+    return orphan
+
+
 @lru_cache(maxsize=65536)
 def parse_unit(name: str) -> tuple[str, int, int] | None:
     """(lineage, epoch, batch) of a unit name, None for anything else (cached: clean-up

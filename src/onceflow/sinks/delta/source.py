@@ -56,6 +56,7 @@ from onceflow.sinks.delta.files import (
     delta_schema,
     dir_name,
     file_name,
+    orphan_rule,
     parse_unit,
     remove_units,
     to_arrow_schema,
@@ -551,12 +552,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
         else:
             last_files = set()
 
-        def orphan(b: int, e: int, name: str) -> bool:
-            if name in keep or (mine is not None and e >= mine):
-                return False
-            if b > last:
-                return True
-            return b == last and last_files is not None and name not in last_files
+        orphan = orphan_rule(keep, mine, last, last_files)
 
         return {"orphans_removed": self._remove_files(lineage, orphan)}
 

@@ -48,6 +48,7 @@ from onceflow.sinks.delta.files import (
     compatible,
     dictionary_columns,
     file_name,
+    orphan_rule,
     remove_units,
     to_arrow_schema,
 )
@@ -384,12 +385,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
             stored = self._stored(table, lineage, last)
             last_files = None if stored.handles is None else {h["path"] for h in stored.handles}
 
-        def orphan(b: int, e: int, name: str) -> bool:
-            if name in keep or (mine is not None and e >= mine):
-                return False
-            if b > last:
-                return True
-            return b == last and last_files is not None and name not in last_files
+        orphan = orphan_rule(keep, mine, last, last_files)
 
         fs, path = self._data_dir(table)
         if not fs.exists(path):
