@@ -2,16 +2,22 @@
 
 Before: Spark's ``blockmgr-*``/``spark-*`` directories and the JVM's temporary files of a
 SIGKILLed driver stayed in the system temporary directory for good (nothing set a per-job
-``spark.local.dir``, nothing cleaned up on restart)."""
+``spark.local.dir``, nothing cleaned up on restart). Then (issue 28.6 found it): a driver in
+another PID namespace sharing the directory (a second pod) judged the owner by its pid in its
+own namespace and removed a live driver's directory; that driver's next shuffle failed with
+NoSuchFileException under ``blockmgr-*``."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+
+import pytest
 
 from onceflow.process import start_time
 from onceflow.runtime import scratch
@@ -41,8 +47,9 @@ def test_a_killed_drivers_scratch_space_is_reclaimed_by_the_next_driver(tmp_path
             assert proc.poll() is None and time.monotonic() < deadline, "the driver did not start"
             time.sleep(0.2)
         job = scratch.job_dir("scratchy", ckpt)
-        mine = f"driver-{proc.pid}-{start_time(proc.pid)}"
-        assert os.listdir(job) == [mine]
+        names = sorted(os.listdir(job))
+        mine = names[0]
+        assert mine.startswith(f"driver-{proc.pid}-{start_time(proc.pid)}-") and names == [mine, mine + ".lock"]
         assert any(n.startswith("blockmgr-") for n in os.listdir(os.path.join(job, mine)))
         assert scratch.reclaim(job) == []  # its owner lives: kept
     finally:
@@ -55,14 +62,48 @@ def test_a_killed_drivers_scratch_space_is_reclaimed_by_the_next_driver(tmp_path
     assert os.listdir(job) == []
 
 
-def test_a_reused_pid_does_not_keep_a_dead_drivers_directory(tmp_path):
+def test_only_a_dead_owners_directory_is_reclaimed_whatever_its_pid(tmp_path):
     job = tmp_path / "job"
-    me = os.getpid()
-    live, reused = f"driver-{me}-{start_time(me)}", f"driver-{me}-{start_time(me) - 100}"
-    for name in (live, reused, "not-ours"):
-        (job / name).mkdir(parents=True)
-    assert scratch.reclaim(str(job)) == [reused]
-    assert sorted(os.listdir(job)) == sorted([live, "not-ours"])
+    job.mkdir()
+    held = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, sys, time
+        f = open({str(job / "driver-1-5-aa.lock")!r}, "ab")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        print("locked", flush=True)
+        time.sleep(600)""")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "locked"
+        for name in ("driver-1-5-aa", "driver-1-5-bb", "not-ours", "driver-9-9-cc"):
+            (job / name).mkdir()
+        (job / "driver-1-5-bb.lock").touch()  # its owner died: nobody holds the lock
+        assert scratch.reclaim(str(job)) == ["driver-1-5-bb"]
+        assert sorted(os.listdir(job)) == ["driver-1-5-aa", "driver-1-5-aa.lock", "driver-9-9-cc", "not-ours"]
+    finally:
+        held.kill()
+        held.wait()  # its own child: reaped, so its files are closed
+    assert scratch.reclaim(str(job)) == ["driver-1-5-aa"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_a_live_driver_in_another_pid_namespace_keeps_its_directory(tmp_path, monkeypatch):
+    """A driver that is pid 1 of its own namespace: pid 1 here is another process (init)."""
+    monkeypatch.setenv(scratch.ENV, str(tmp_path / "scratch"))
+    code = ("import sys, time; from onceflow.runtime import scratch; "
+            "print(scratch.driver_dir('pods', 'ckpt'), flush=True); time.sleep(600)")
+    pod = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", sys.executable, "-c", code],
+                           stdout=subprocess.PIPE, text=True, env=os.environ.copy(), start_new_session=True)
+    try:
+        theirs = pod.stdout.readline().strip()
+        assert os.path.basename(theirs).startswith("driver-1-"), theirs  # the init of its namespace
+        mine = scratch.driver_dir("pods", "ckpt")
+        assert os.path.isdir(theirs) and os.path.isdir(mine)
+    finally:
+        os.killpg(pod.pid, signal.SIGKILL)
+        pod.wait()
+    deadline = time.monotonic() + 30  # its lock goes once the kernel has closed its files
+    while scratch.reclaim(scratch.job_dir("pods", "ckpt")) != [os.path.basename(theirs)]:
+        assert time.monotonic() < deadline and os.path.isdir(theirs), "the dead pod's directory stays"
+        time.sleep(0.2)
 
 
 def test_local_masters_get_the_directory_and_the_users_settings_win():

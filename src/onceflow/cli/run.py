@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 import click
@@ -48,9 +49,11 @@ from onceflow.spark import parse_conf
 @click.option("--standby/--no-standby", default=True, show_default=True,
               help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
               "that takes over within seconds when the active driver dies; costs its memory.")
-@click.option("--wait-for-lease", "wait_for_lease", type=click.FloatRange(0), default=0, metavar="SECONDS",
-              help="When another driver holds the checkpoint's lease, wait up to SECONDS for it to end "
-              "or lapse (it died, or hangs on another host) and then take over, instead of exiting.")
+@click.option("--wait-for-lease", "wait_for_lease", type=click.FloatRange(0), default=math.inf,
+              metavar="SECONDS", show_default="forever",
+              help="When another driver holds the checkpoint's lease (a second pod on the same "
+              "checkpoint, an overlapping rollout), stand by up to SECONDS for it to end or lapse, "
+              "then take over; a line every 30 s says who holds it. 0: exit 5 at once instead.")
 @click.pass_context
 def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
         from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,

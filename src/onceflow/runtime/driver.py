@@ -45,7 +45,7 @@ from onceflow.runtime.launch import apply_overrides, restore_from_env, run_in_pr
 from onceflow.runtime.loader import load_job
 from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
-from onceflow.runtime.standby import GO_ENV, mark_ready, wait_for_go, warm_up
+from onceflow.runtime.standby import GO_ENV, mark_ready, takes_over, wait_for_go, warm_up
 from onceflow.savepoint.operations import savepoint_on_stop, stop_requested
 
 
@@ -134,7 +134,7 @@ def _main(argv: list[str], done: threading.Event) -> int:
                 return EXIT_OK
             waiting_standby[0] = False
             _serve_metrics(job, started)
-            run_in_process(job, spark, stop, restore=restore_from_env(), takeover=True)
+            run_in_process(job, spark, stop, restore=restore_from_env(), takeover=takes_over(go))
         else:
             _serve_metrics(job, started)
             run_in_process(job, stop=stop, restore=restore_from_env())

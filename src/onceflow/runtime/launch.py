@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -74,7 +75,7 @@ class LaunchOptions:
     conf: dict[str, str] = field(default_factory=dict)
     metrics_port: int | None = None
     standby: bool = True
-    wait_for_lease: float = 0.0
+    wait_for_lease: float = math.inf  #: stand by while another driver holds the lease (0: exit 5)
 
     def check(self) -> None:
         """ConfigError for options that contradict each other (nothing is read or written)."""

@@ -6,24 +6,33 @@ working copies, the extracted ``librocksdbjni*.so``) in ``spark.local.dir`` and 
 clean exit. A killed driver leaves them behind: hundreds of MB per kill with large state.
 
 Here every driver process (active or standby) of a job gets
-``<root>/<job>-<checkpoint hash>/driver-<pid>-<start time>/`` as both (Spark's through
+``<root>/<job>-<checkpoint hash>/driver-<pid>-<start time>-<random>/`` as both (Spark's through
 ``SPARK_LOCAL_DIRS``, which Spark reads before ``spark.local.dir`` and without warning; root:
 ``$ONCEFLOW_SCRATCH_DIR``, else the system temporary directory), and every driver that starts
-removes the directories of its job whose process is gone (the pid dead, or reused by a
-process that started at another time). Guarantee: a live driver's directory is never removed;
-a dead one's is removed by the next driver of the same job on the same host. Only local
-masters (``local``, ``local[N]``, ``local-cluster``) get Spark's local directory: elsewhere the
-executors' own hosts decide theirs. A ``spark.local.dir`` or ``SPARK_LOCAL_DIRS`` the user set
-wins, and so does a ``-Djava.io.tmpdir`` in ``spark.driver.extraJavaOptions``.
+removes the directories of its job whose owner is gone. The owner holds an exclusive
+``flock`` on ``driver-...lock`` beside its directory for its whole life, taken
+before the directory exists; the kernel drops it when the process dies, whatever PID
+namespace either process is in. A directory whose lock can be taken is a dead driver's.
+Guarantee: a live driver's directory is never removed, also not by a driver in another
+container that shares the directory (pids are not compared: the same pid means another
+process in another namespace); a dead one's is removed by the next driver of the same job
+that shares it. A directory without a lock file is not onceflow's: it is left alone. Only
+local masters (``local``, ``local[N]``, ``local-cluster``) get Spark's local directory:
+elsewhere the executors' own hosts decide theirs. A ``spark.local.dir`` or
+``SPARK_LOCAL_DIRS`` the user set wins, and so does a ``-Djava.io.tmpdir`` in
+``spark.driver.extraJavaOptions``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
 import tempfile
+import uuid
+from typing import IO
 
 from onceflow.process import start_time
 
@@ -41,35 +50,66 @@ def job_dir(job_name: str, checkpoint_url: str) -> str:
     return os.path.join(root, f"{job_name}-{digest}")
 
 
-def _owner_alive(name: str) -> bool:
-    """Whether ``driver-<pid>-<start>`` names a live process (the same one, not a pid reuse)."""
+#: tells apart two processes with one pid and start time (first pids of two containers)
+_TAG = uuid.uuid4().hex[:8]
+#: the lock files this process holds, by path (open for its whole life)
+_HELD: dict[str, IO[bytes]] = {}
+
+
+def _lock(path: str) -> IO[bytes] | None:
+    """The open lock file ``path``, exclusively flock-ed; None when another process holds it."""
+    f = open(path, "ab")  # noqa: SIM115 - held open on purpose (the lock lives with the fd)
     try:
-        _, pid, started = name.split("-", 2)
-        now = start_time(int(pid))
-        return now is not None and str(now) == started
-    except ValueError:
-        return True  # not ours: leave it
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        return None
+    return f
 
 
 def reclaim(job: str) -> list[str]:
-    """Remove the driver directories under ``job`` whose process is gone; their names."""
+    """Remove the driver directories under ``job`` whose owner is gone (its lock is free);
+    their names."""
     try:
         names = os.listdir(job)
     except FileNotFoundError:
         return []
-    gone = [n for n in names if n.startswith("driver-") and not _owner_alive(n)]
-    for name in gone:
-        shutil.rmtree(os.path.join(job, name), ignore_errors=True)
+    gone = []
+    for name in sorted(n for n in names if n.startswith("driver-") and n.endswith(".lock")):
+        lock = os.path.join(job, name)
+        if lock in _HELD:
+            continue
+        try:
+            f = _lock(lock)
+        except OSError:  # removed meanwhile by another reclaimer
+            continue
+        if f is None:
+            continue  # its owner lives
+        try:
+            shutil.rmtree(lock[: -len(".lock")], ignore_errors=True)
+            os.unlink(lock)
+            gone.append(name[: -len(".lock")])
+        except FileNotFoundError:
+            pass
+        finally:
+            f.close()
     if gone:
         log.info("reclaimed the scratch space of %d dead driver(s) in %s", len(gone), job)
     return gone
 
 
 def driver_dir(job_name: str, checkpoint_url: str) -> str:
-    """This process's scratch directory (created), after reclaiming dead drivers' ones."""
+    """This process's scratch directory (created, and locked for this process's life), after
+    reclaiming dead drivers' ones."""
     job = job_dir(job_name, checkpoint_url)
+    os.makedirs(job, exist_ok=True)
     reclaim(job)
-    path = os.path.join(job, f"driver-{os.getpid()}-{start_time(os.getpid())}")
+    path = os.path.join(job, f"driver-{os.getpid()}-{start_time(os.getpid())}-{_TAG}")
+    if path + ".lock" not in _HELD:
+        f = _lock(path + ".lock")
+        if f is None:
+            raise RuntimeError(f"scratch lock {path}.lock is held by another process")
+        _HELD[path + ".lock"] = f
     os.makedirs(path, exist_ok=True)
     return path
 

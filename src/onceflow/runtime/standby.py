@@ -8,9 +8,13 @@ which Spark then reuses). It
 writes ``<go file>.ready`` (its pid and warm-up time) and waits.
 
 When the go file appears (the supervisor creates it the moment it sees the active driver
-die), the standby takes the lease *with takeover* and runs the job from the checkpoint like
-any restarted driver: its sinks take a newer fencing epoch, so even an active driver that only
-looked dead (paused, partitioned) can never commit again.
+die), the standby runs the job from the checkpoint like any restarted driver. The go file says
+how it takes the lease (:func:`promote`, :func:`takes_over`): *with takeover* when the lease is
+held by a driver of its own supervisor, which just died (its sinks take a newer fencing epoch,
+so even a driver that only looked dead can never commit again); otherwise the way any driver
+does, standing by while a live driver of another supervisor holds it (a second pod on the same
+checkpoint), so that two supervisors never fence each other in turn. An empty go file means
+takeover.
 
 Guarantees: a standby never opens a sink, takes the lease or touches the checkpoint before
 its go file exists; SIGTERM (or its parent, the supervisor, going away) makes a waiting
@@ -122,6 +126,23 @@ def wait_for_go(go: str, stop: threading.Event, poll_s: float = 0.02) -> bool:
             return False
         stop.wait(poll_s)
     return False
+
+
+def promote(go: str, takeover: bool) -> None:
+    """Create the go file (atomically: the standby never reads half of it)."""
+    tmp = f"{go}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"at={time.time():.3f} takeover={int(takeover)}\n")
+    os.replace(tmp, go)
+
+
+def takes_over(go: str) -> bool:
+    """Whether the go file tells the promoted standby to take the lease over (see module doc)."""
+    try:
+        with open(go) as f:
+            return "takeover=0" not in f.read().split()
+    except OSError:
+        return True
 
 
 def mark_ready(go: str, warm_s: float) -> None:

@@ -55,6 +55,7 @@ from typing import TypeVar
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import DriverLease
+from onceflow.checkpoint.lease.identity import process_start, written_by
 from onceflow.errors import (
     EXIT_CONFIG,
     EXIT_FENCED,
@@ -66,7 +67,7 @@ from onceflow.errors import (
 from onceflow.outages import short
 from onceflow.process import group_members, group_rss_mb, start_time
 from onceflow.runtime.restart import RestartStrategy
-from onceflow.runtime.standby import GO_ENV
+from onceflow.runtime.standby import GO_ENV, promote
 
 log = logging.getLogger("onceflow.supervisor")
 T = TypeVar("T")
@@ -148,6 +149,8 @@ class Supervisor:
         self._memory_shown = False
         self._active_started = 0.0
         self._commit_checked = 0.0
+        #: pid -> process start of the drivers and standbys this supervisor started (the last few)
+        self._mine: dict[int, str | None] = {}
         self._log_offset = 0  # event log size when the active driver started
 
     # ---- the checkpoint store: an outage never ends the supervisor (appends never raise) -----
@@ -229,6 +232,7 @@ class Supervisor:
         env = dict(os.environ if self.env is None else self.env)
         cmd = self.command()
         proc = subprocess.Popen([*_LAUNCH, *cmd], env=env, start_new_session=True)
+        self._started(proc)
         started = time.monotonic()
         self._proc, self._proc_done, self._active_started = proc, False, started
         self._log_offset = self._read(self.events.size, None)
@@ -357,27 +361,44 @@ class Supervisor:
         go = os.path.join(self._standby_dir, f"go-{self._standby_n}")
         env = {**(os.environ if self.env is None else self.env), GO_ENV: go}
         proc = subprocess.Popen([*_LAUNCH, *self.command()], env=env, start_new_session=True)
+        self._started(proc)
         self._standby, self._memory_shown = _Standby(proc, go), False  # each standby reports ready
         self._last_standby_start = time.monotonic()
         log.info("standby driver started: pid %d", proc.pid)
         self.events.append("standby_start", pid=proc.pid, host=socket.gethostname(), scope="process")
 
+    def _started(self, proc: subprocess.Popen) -> None:
+        """Remember a process this supervisor started, by pid and start (see :meth:`_takeover`)."""
+        self._mine[proc.pid] = process_start(proc.pid)
+        while len(self._mine) > 8:
+            del self._mine[next(iter(self._mine))]
+
+    def _takeover(self) -> bool:
+        """Whether the promoted standby takes the lease over at once: only when its holder is a
+        driver this supervisor started (it has died, or it would not be promoting). A lease of
+        another supervisor's driver (a second pod on this checkpoint, whatever its host name or
+        PID namespace) is waited for like any driver waits, never taken: two supervisors must
+        not fence each other in turn. Unreadable store: no takeover (the standby waits it out)."""
+        rec = self._read(DriverLease(self.checkpoint, "onceflow-supervisor").top, None)
+        return rec is not None and any(written_by(rec, pid, st) for pid, st in self._mine.items())
+
     def _promote(self, attempt: int) -> tuple[subprocess.Popen, float]:
-        """The standby becomes the active driver: it takes over the lease at once."""
+        """The standby becomes the active driver: with takeover when the lease is ours."""
         sb = self._standby
         assert sb is not None
         self._standby, self._memory_shown = None, False
-        with open(sb.go, "w") as f:
-            f.write(str(time.time()))
+        takeover = self._takeover()
+        promote(sb.go, takeover)
         started = time.monotonic()
         self._proc, self._proc_done, self._active_started = sb.proc, False, started
         self._log_offset = self._read(self.events.size, None)
         warm = sb.ready()
-        log.info("standby driver pid %d promoted (attempt %d, %s)", sb.proc.pid, attempt,
-                 f"warm; its warm-up took {warm.get('warm_s')} s" if warm else "still warming up")
+        log.info("standby driver pid %d promoted (attempt %d, %s; %s)", sb.proc.pid, attempt,
+                 f"warm; its warm-up took {warm.get('warm_s')} s" if warm else "still warming up",
+                 "taking over the lease" if takeover else "the lease is not ours: it waits for it")
         self.events.append("process_start", attempt=attempt, pid=sb.proc.pid, host=socket.gethostname(),
                            supervisor_pid=os.getpid(), supervisor_started=start_time(os.getpid()),
-                           standby=True, warm=warm is not None, scope="process")
+                           standby=True, warm=warm is not None, takeover=takeover, scope="process")
         if self._stop_signal is not None:
             self._forward_stop()
         return sb.proc, started

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -144,6 +145,13 @@ class DriverLease:
             return Verdict.HELD, ("its process runs" if local else "it renews")
         return Verdict.UNKNOWN, f"seen unchanged for {quiet:.1f}s of {lapse:g}s"
 
+    def top(self) -> dict | None:
+        """The fields of the highest epoch's record, whoever wrote it and whether or not its
+        holder lives (None: no record yet). :class:`StoreUnavailable` when unreadable."""
+        epochs = self._epochs()
+        found = self._read(epochs[-1]) if epochs else None
+        return found[1] if found else None
+
     def holder(self, settle: bool = False, retry_s: float = 0.0) -> dict | None:
         """The record of the live holder (highest epoch), or None when nobody holds it.
 
@@ -254,8 +262,8 @@ class DriverLease:
                 said, said_what = now, verdict
                 if verdict is Verdict.HELD:
                     log.info("standing by: pid %s on %s holds the lease of %s (epoch %s; %s); waiting "
-                             "up to %.0fs more for it to end", rec.get("pid"), rec.get("host"), self.url,
-                             top, why, deadline - now)
+                             "%s for it to end or lapse", rec.get("pid"), rec.get("host"), self.url, top, why,
+                             "as long as it lives" if deadline == math.inf else f"up to {deadline - now:.0f}s more")
                 else:
                     log.info("the lease of %s is held by pid %s on %s (epoch %s), which this host "
                              "cannot check: watching its record until it renews or lapses (%s)",

@@ -110,3 +110,11 @@ def local_liveness(record: dict) -> bool | None:
     except (TypeError, ValueError):
         return None
     return pid > 0 and process_start(pid) == started
+
+
+def written_by(record: dict, pid: int, started: str | None) -> bool:
+    """Whether ``record`` names process ``pid`` of this boot and PID namespace that started at
+    ``started`` (:func:`process_start`, read while it ran): true of that process only, even
+    after it is gone and its pid is reused."""
+    return (started is not None and record.get("pid") == pid and record.get("started") == started
+            and record.get("boot_id") == boot_id() and record.get("pidns") == pid_namespace())
