@@ -230,3 +230,15 @@ def test_a_plain_writestream_creates_the_table_and_writes_each_row_once(spark, t
     run(1000)
     run(1500)
     assert ids() == list(range(1500))
+
+
+def test_without_pyiceberg_the_sink_says_which_extra_to_install_and_the_others_still_register():
+    """Before: ``from onceflow import IcebergSink`` without the extra was a bare
+    ``ModuleNotFoundError: No module named 'pyiceberg'``."""
+    code = ("import sys; sys.modules['pyiceberg'] = None\n"
+            "from onceflow.sinks.registry import data_sources\n"
+            "print(sorted(c.__name__ for c in data_sources()))\n"
+            "from onceflow import IcebergSink\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "'DeltaDataSource'" in r.stdout and "Iceberg" not in r.stdout, r.stdout
+    assert r.returncode == 1 and "pip install 'onceflow[iceberg]'" in r.stderr.splitlines()[-1], r.stderr

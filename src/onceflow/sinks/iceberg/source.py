@@ -32,14 +32,19 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow.parquet as pq
-from pyiceberg.exceptions import (
-    CommitFailedException,
-    CommitStateUnknownException,
-    NoSuchTableError,
-    TableAlreadyExistsError,
-)
-from pyiceberg.table import Transaction
 from pyspark.sql.types import StructType
+
+try:
+    from pyiceberg.exceptions import (
+        CommitFailedException,
+        CommitStateUnknownException,
+        NoSuchTableError,
+        TableAlreadyExistsError,
+    )
+    from pyiceberg.table import Transaction
+except ModuleNotFoundError as e:  # an ImportError still: the sink registry skips this sink
+    raise ModuleNotFoundError(f"onceflow's Iceberg sink needs pyiceberg ({e}): "
+                              "pip install 'onceflow[iceberg]'", name=e.name) from None
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
