@@ -208,7 +208,9 @@ def build_sink(env):
         from onceflow import IcebergSink
         return IcebergSink(env["CATALOG"], "lake.conf", warehouse=env["WAREHOUSE"])
     from onceflow.sinks.kafka import KafkaSink
-    sink = KafkaSink(env["BOOTSTRAP"], env["TOPIC"],
+    # marker_start_step=0: every batch records the lineage's marker start, so restarted
+    # drivers and new workers read from it through every crash window and zombie.
+    sink = KafkaSink(env["BOOTSTRAP"], env["TOPIC"], marker_start_step=0,
                      producer_config={"batch.num.messages": 1, "linger.ms": 0})
     opts = sink.options() | {"skip_broker_probe": "true"}
     sink.options = lambda: opts

@@ -377,7 +377,8 @@ def test_zombie_driver_cannot_decide_or_produce_after_a_successor_opened(kafka_b
     for epoch in (ea, None, eb):
         late = {"type": "decision", "sink": "kafka", "lineage": lineage, "batch": 7 if epoch != eb else 8,
                 "fingerprint": "c" * 32, "handles": [], "epoch": epoch}
-        raw.produce(MARKER_TOPIC, json.dumps(late).encode(), b"late", partition=0)
+        key = f"kafka/{lineage}/d/{late['batch']}/{epoch}".encode()  # keyed as every marker is
+        raw.produce(MARKER_TOPIC, json.dumps(late).encode(), key, partition=0)
     assert raw.flush(10) == 0
     assert b.decision(lineage, 7) is None and b.decision(lineage, 8).epoch == eb
 
@@ -582,3 +583,61 @@ def test_a_lineage_whose_marker_partition_moved_is_refused_not_given_a_second_ep
     assert source(marker_partitions=1).open(lineage) == 2
     write(source(marker_partitions=1, extra={"epoch": "2"}), 1)
     assert [m.value() for m in read_topic(kafka_broker, out)] == [b"1"]
+
+
+def test_a_new_reader_starts_at_the_lineages_recorded_start_and_keeps_only_recent_batches(kafka_broker, tmp_path):
+    """Issue 28.11: every new process read the whole marker partition (all lineages, all
+    batches since the topic was created) and kept all of it in memory. Now the driver records
+    the lineage's start in the checkpoint after its decisions; a new reader starts there, skips
+    other lineages by key, still sees the epochs taken before it, and forgets settled batches."""
+    from onceflow.sinks.kafka.markers import KEEP_BATCHES, MarkerLog
+
+    markers = f"m-{uuid.uuid4().hex[:8]}"
+    create_topic(kafka_broker, markers, 1)
+    lineage, ckpt = str(uuid.uuid4()), tmp_path / "ckpt"
+    ckpt.mkdir()
+
+    def source() -> KafkaSinkDataSource:
+        return KafkaSink(kafka_broker, "unused", marker_topic=markers, timeout=20, marker_start_step=0,
+                         producer_config=ONE_PER_BATCH).data_source({"checkpointlocation": str(ckpt)})
+
+    raw = Producer({"bootstrap.servers": kafka_broker, **ONE_PER_BATCH})
+
+    def others(n: int) -> None:  # markers of other lineages, as other jobs write them
+        for i in range(n):
+            other = f"other-{i % 7}"
+            m = {"type": "decision", "sink": "kafka", "lineage": other, "batch": i, "fingerprint": "f",
+                 "handles": [], "epoch": 1}
+            raw.produce(markers, json.dumps(m).encode(), f"kafka/{other}/d/{i}/1".encode(), partition=0)
+        assert raw.flush(30) == 0
+
+    others(300)
+    driver = source()
+    epoch = driver.open(lineage)
+    for batch in range(40):
+        others(20)
+        decision = Decision(lineage, batch, f"{batch:032d}", HANDLES, epoch)
+        driver.decide(decision, SCHEMA, False)
+        driver.commit(decision)
+    mine = MarkerLog.get(driver.conf, markers, 0, 20, "kafka", lineage)
+    kept = sorted(k[2] for k in mine.decisions)  # settled batches forgotten (checked at each read)
+    assert kept[-1] >= 38 and len(kept) <= KEEP_BATCHES + 2, kept  # (39's marker: read at the next read)
+    recorded = json.loads((ckpt / "_onceflow" / "kafka-markers" / "kafka.json").read_text())
+    assert (recorded["lineage"], recorded["batch"], recorded["epoch"]) == (lineage, 39, epoch)
+    total = 300 + 40 * 20 + 1 + 40  # others, the epoch marker, the decisions
+
+    close_all()  # a new process: a driver after a restart, or a new Python worker
+    fresh = source()
+    assert fresh.decision(lineage, 39).fingerprint == f"{39:032d}" and fresh.decision(lineage, 40) is None
+    reader = MarkerLog.get(fresh.conf, markers, 0, 20, "kafka", lineage)
+    assert reader.start == recorded["start"] > 0
+    assert reader.records_read <= 25 and reader.records_kept <= 2, (reader.records_read, total)
+    successor = source()
+    assert successor.open(lineage) == epoch + 1  # the epoch taken before the start still counts
+    with pytest.raises(FencedError):  # and the old driver is fenced as before
+        driver.decide(Decision(lineage, 40, "z" * 32, HANDLES, epoch), SCHEMA, False)
+
+    close_all()
+    (ckpt / "_onceflow" / "kafka-markers" / "kafka.json").unlink()  # no start recorded: read it all
+    source().decision(lineage, 39)
+    assert MarkerLog.get(driver.conf, markers, 0, 20, "kafka", lineage).records_read >= total

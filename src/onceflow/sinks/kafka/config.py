@@ -39,6 +39,8 @@ class KafkaSink(Sink):
     serialize_commits: bool | None = None
     #: partition count that routes markers (pin it after partitions were added to the topic)
     marker_partitions: int | None = None
+    #: offsets a lineage's marker start moves before the driver records it (None: 1000)
+    marker_start_step: int | None = None
 
     format_name = FORMAT
 
@@ -59,6 +61,8 @@ class KafkaSink(Sink):
             opts["topic"] = self.topic
         if self.marker_partitions is not None:
             opts["marker_partitions"] = str(self.marker_partitions)
+        if self.marker_start_step is not None:
+            opts["marker_start_step"] = str(self.marker_start_step)
         if self.serialize_commits is not None:
             opts["serialize_commits"] = str(self.serialize_commits).lower()
         if self.producer_config:

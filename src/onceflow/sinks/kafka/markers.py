@@ -21,21 +21,30 @@ Guarantees:
   first partition marker of a (batch, partition). Readers never look at record keys, so
   markers written by older versions (all keyed ``<sink>/<lineage>``) read the same.
 - Aborted markers are invisible only on brokers that pass the probe (see probe.py).
+
+What a process reads does not grow with the job's age or with other lineages (see start.py):
+a :class:`MarkerLog` holds one (sink, lineage), starts at the lineage's recorded *start*
+(the offset before which every marker the lineage may still need lies at or after, with the
+highest epoch taken before it), skips other lineages' records by their key without parsing
+them, and forgets markers of batches settled long ago.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from onceflow.errors import SinkError
 from onceflow.kafka_client import admin_client, consumer_conf, error_text
 from onceflow.sinks.kafka.common import FORMAT, ensure_topic, unreachable
+
+log = logging.getLogger("onceflow.sinks.kafka")
 
 #: Configuration of a marker topic onceflow creates.
 MARKER_TOPIC_CONFIG = {"cleanup.policy": "compact"}
@@ -96,8 +105,13 @@ def marker_partitions(conf: Mapping[str, Any], topic: str, timeout: float) -> in
     return _MARKER_PARTS[key]
 
 
+#: decided batches of a lineage whose markers a reader keeps below its latest decision
+KEEP_BATCHES = 10
+
+
 class MarkerLog:
-    """What the marker topic says, read with read_committed and cached per process.
+    """What the marker topic says about one (sink, lineage), read with read_committed from the
+    lineage's start and cached per process.
 
     :meth:`refresh` reads on from the last position until the consumer's position reaches the
     log end (uncommitted high watermark) taken when the refresh started: a read_committed
@@ -109,34 +123,58 @@ class MarkerLog:
     _instances: ClassVar[dict[tuple, MarkerLog]] = {}
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, conf: Mapping[str, Any], topic: str, partition: int, timeout: float):
+    def __init__(self, conf: Mapping[str, Any], topic: str, partition: int, timeout: float,
+                 sink: str, lineage: str, start: int = 0, base_epoch: int | None = None):
         from confluent_kafka import Consumer, TopicPartition
 
         self.conf, self.topic, self.partition, self.timeout = dict(conf), topic, partition, timeout
+        self.sink, self.lineage = sink, lineage
+        self._key = routing_key(sink, lineage).encode()
         self.tp = TopicPartition(topic, partition)
         self.parts: dict[tuple[str, str, int, int], dict] = {}
         self.decisions: dict[tuple[str, str, int], dict] = {}
-        #: (sink, lineage) -> highest epoch taken so far
-        self.epochs: dict[tuple[str, str], int] = {}
+        #: (sink, lineage) -> highest epoch taken so far (before ``start``: ``base_epoch``)
+        self.epochs: dict[tuple[str, str], int] = {(sink, lineage): base_epoch} if base_epoch else {}
         #: decisions written after a higher epoch had opened (fenced drivers' late writes)
         self.ignored: dict[tuple[str, str, int], list[dict]] = {}
-        self.pos = 0
+        self.start, self.base_epoch = start, base_epoch or 0
+        #: the start last recorded in the checkpoint (the driver records a newer one, start.py)
+        self.recorded = start
+        #: offsets of the epoch markers read, and of the first marker read of each batch
+        self.epoch_offsets: list[tuple[int, int]] = []
+        self.first_offsets: dict[int, int] = {}
+        self.records_read = self.records_kept = 0
+        self.pos = start
         base = {**consumer_conf(conf), "enable.auto.commit": False, "enable.partition.eof": False,
                 "auto.offset.reset": "earliest"}
         self.consumer = Consumer({**base, "group.id": f"onceflow-markers-{uuid.uuid4().hex[:8]}",
                                   "isolation.level": "read_committed"})
-        self.consumer.assign([TopicPartition(topic, partition, 0)])
+        self.consumer.assign([TopicPartition(topic, partition, start)])
         self.watermarks = Consumer({**base, "group.id": f"onceflow-markers-wm-{uuid.uuid4().hex[:8]}",
                                     "isolation.level": "read_uncommitted"})
         self.lock = threading.Lock()
 
     @classmethod
-    def get(cls, conf: Mapping[str, Any], topic: str, partition: int, timeout: float) -> MarkerLog:
-        key = (conf["bootstrap.servers"], topic, partition)
+    def get(cls, conf: Mapping[str, Any], topic: str, partition: int, timeout: float, sink: str,
+            lineage: str, origin: Callable[[], tuple[int, int | None]] = lambda: (0, None)) -> MarkerLog:
+        """This process's reader of (sink, lineage); a new one starts where ``origin()`` says
+        (offset, highest epoch before it)."""
+        key = (conf["bootstrap.servers"], topic, partition, sink, lineage)
         with cls._lock:
             if key not in cls._instances:
-                cls._instances[key] = MarkerLog(conf, topic, partition, timeout)
+                start, base = origin()
+                cls._instances[key] = MarkerLog(conf, topic, partition, timeout, sink, lineage, start, base)
             return cls._instances[key]
+
+    def horizon(self, batch: int) -> tuple[int, int]:
+        """(offset, epoch) a reader of this lineage may start from once every batch before
+        ``batch`` is settled: at or before every marker of ``batch`` and later batches read so
+        far, and not past the read position (a transaction still open there has later offsets:
+        a read_committed reader stops before the first open one); with the highest epoch taken
+        before that offset."""
+        start = min([self.pos, *(off for b, off in self.first_offsets.items() if b >= batch)])
+        base = max([self.base_epoch, *(e for off, e in self.epoch_offsets if off < start)])
+        return start, base
 
     def latest_epoch(self, sink: str, lineage: str) -> int | None:
         """The highest epoch taken for (sink, lineage) as of the last refresh (None: none yet)."""
@@ -154,6 +192,13 @@ class MarkerLog:
             except KafkaException as e:
                 raise SinkError(f"{FORMAT}: cannot read the end of marker topic {self.topic} on "
                                 f"{self.conf['bootstrap.servers']}: {error_text(e, self.conf)}") from None
+            if end < self.start:  # the topic was re-created: the recorded start means nothing
+                log.warning("%s: marker topic %s partition %d ends at %d, before the recorded start %d of "
+                            "lineage %s: reading it from the beginning", FORMAT, self.topic, self.partition,
+                            end, self.start, self.lineage)
+                self.start = self.pos = self.recorded = self.base_epoch = 0
+                self.epochs.clear()
+                self.consumer.assign([TopicPartition(self.topic, self.partition, 0)])
             deadline = time.monotonic() + wait
             while self.pos < end:
                 for m in self.consumer.consume(1000, 0.2):
@@ -162,7 +207,10 @@ class MarkerLog:
                             raise SinkError(f"{FORMAT}: reading marker topic {self.topic}: {m.error().str()}")
                         continue
                     if m.offset() >= self.pos:
-                        self._record(m.value())
+                        self.records_read += 1
+                        key = m.key()
+                        if key == self._key or (key or b"").startswith(self._key + b"/"):
+                            self._record(m.value(), m.offset())
                         self.pos = m.offset() + 1
                 position = self.consumer.position([TopicPartition(self.topic, self.partition)])[0].offset
                 if position is not None and position > self.pos:
@@ -178,9 +226,23 @@ class MarkerLog:
                         "partition end at once (its log says otherwise=Some(Committed)); the "
                         "partition stays wedged until the broker restarts, and serialize_commits="
                         "true keeps it from happening again")
+            self._forget_settled()
         return self
 
-    def _record(self, value: bytes | None) -> None:
+    def _forget_settled(self) -> None:
+        """Drop markers of batches settled long ago: a lineage replays at most its latest
+        batches (Spark wrote ``commits/N-1`` before batch N started), so memory stays flat."""
+        decided = [k[2] for k in self.decisions if isinstance(k[2], int)]
+        if not decided:
+            return
+        floor = max(decided) - KEEP_BATCHES
+        for d in (self.parts, self.decisions, self.ignored):
+            for k in [k for k in d if isinstance(k[2], int) and k[2] < floor]:
+                del d[k]
+        for b in [b for b in self.first_offsets if b < floor]:
+            del self.first_offsets[b]
+
+    def _record(self, value: bytes | None, offset: int) -> None:
         try:
             m = json.loads(value or b"")
         except ValueError:
@@ -188,6 +250,11 @@ class MarkerLog:
         if not isinstance(m, dict):
             return
         sink, lineage, batch, kind = m.get("sink"), m.get("lineage"), m.get("batch"), m.get("type")
+        if (sink, lineage) != (self.sink, self.lineage):
+            return
+        self.records_kept += 1
+        if isinstance(batch, int) and kind in ("partition", "decision"):
+            self.first_offsets.setdefault(batch, offset)
         if kind == "partition":
             self.parts.setdefault((sink, lineage, batch, m.get("partition")), m)
         elif kind == "decision":
@@ -197,6 +264,7 @@ class MarkerLog:
             else:
                 self.decisions.setdefault((sink, lineage, batch), m)
         elif kind == "epoch" and isinstance(m.get("epoch"), int):
+            self.epoch_offsets.append((offset, m["epoch"]))
             if m["epoch"] > self.epochs.get((sink, lineage), 0):
                 self.epochs[(sink, lineage)] = m["epoch"]
 

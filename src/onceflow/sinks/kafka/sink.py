@@ -56,6 +56,7 @@ from onceflow.sinks.kafka.markers import (
     routing_key,
 )
 from onceflow.sinks.kafka.probe import cached_probe, warn_unverified
+from onceflow.sinks.kafka.start import DEFAULT_STEP, advance_start, read_start
 from onceflow.sinks.kafka.turns import serialize
 from onceflow.sinks.replay import ContentDigest, check_replay, task_fingerprint
 
@@ -90,6 +91,8 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         "marker_topic": f"topic for markers (default {MARKER_TOPIC}; created compacted if missing)",
         "marker_partitions": ("partition count that routes a lineage's markers (default: the marker "
                               "topic's); pin it when partitions were added to the marker topic"),
+        "marker_start_step": (f"offsets a lineage's marker start must move before the driver records "
+                              f"it in the checkpoint, where new readers start (default {DEFAULT_STEP})"),
         "timeout": "seconds for metadata, flush, init_transactions, commit and marker reads (default 60)",
         "transaction_timeout": ("seconds a Kafka transaction may stay open, i.e. the longest a task "
                                 "may take to produce its partition (transaction.timeout.ms; default "
@@ -114,6 +117,10 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         self.mode = o.get("mode", "exactly_once").lower()
         self.sink_id = o.get("sink_id", "kafka")
         self.marker_topic = o.get("marker_topic", MARKER_TOPIC)
+        step = str(o.get("marker_start_step", DEFAULT_STEP))
+        if not step.isdigit():
+            raise ConfigError(f"{FORMAT}: marker_start_step={step!r}: give a number of offsets >= 0")
+        self.start_step = int(step)
         if o.get("marker_partitions") and not str(o["marker_partitions"]).isdigit():
             raise ConfigError(f"{FORMAT}: marker_partitions={o['marker_partitions']!r}: give a "
                               "partition count >= 1")
@@ -183,8 +190,11 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         return int(pinned) if pinned else marker_partitions(self.conf, self.marker_topic, self.timeout)
 
     def _markers(self, lineage: str) -> MarkerLog:
+        """This process's reader of the lineage's markers, from the start the checkpoint records."""
         part = marker_partition(self.marker_key(lineage), self._marker_count())
-        return MarkerLog.get(self.conf, self.marker_topic, part, self.timeout)
+        return MarkerLog.get(self.conf, self.marker_topic, part, self.timeout, self.sink_id, lineage,
+                             lambda: read_start(self.opts.get("checkpointlocation"), self.sink_id, lineage,
+                                                self.marker_topic, part))
 
     def _produce_marker(self, producer, lineage: str, key: str, marker: dict) -> None:
         producer.produce(self.marker_topic, json.dumps(marker).encode(), key.encode(),
@@ -544,8 +554,13 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
             raise Refenced() from None
 
     def commit(self, decision: Decision) -> None:
-        """Nothing to do: each partition became visible when its task's transaction committed."""
+        """Nothing to make visible (each partition was, when its task's transaction committed);
+        records where readers of the lineage may start from now on (start.py)."""
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
+        loc = self.opts.get("checkpointlocation")
+        if self.mode != "exactly_once" or not loc:
+            return
+        advance_start(self._markers(decision.lineage), loc, decision.batch_id, self.start_step)
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         committed = sorted(h["partition"] for h in handles if h and not h.get("reused"))
