@@ -364,6 +364,38 @@ def test_a_replay_skips_a_partition_only_when_it_read_the_same_rows(case: Case, 
     assert sorted(case.read_ids()) == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("case", ["postgres-idempotent", "kafka"], indirect=True)
+def test_replay_mismatch_names_the_visible_partitions_and_advises_no_duplicating_fork(case: Case, tmp_path):
+    """Issue 28 point 2: partitions 0 and 2 of batch 4 are visible; a replay of partition 2
+    that reads other rows raises ReplayMismatch naming both partitions and their rows, with
+    advice that cannot duplicate them (same lineage, or a savepoint at or after batch 4),
+    never a fork from a savepoint taken before the batch. The sink reports the same
+    partitions to restore checks (``visible_partitions``)."""
+    import pyarrow as pa
+
+    from onceflow.errors import ReplayMismatch
+    from onceflow.sinks.base import TaskInfo
+
+    def rows(ids: list[int]) -> Iterator:
+        strs = [str(i) for i in ids]
+        return iter(pa.table({"key": strs, "value": strs} if case.kind == "kafka" else {"id": ids}).to_batches())
+
+    lineage = str(uuid.uuid4())
+    ds, schema = _data_source(case, tmp_path)
+    ds.open(lineage)
+    ds.pre_commit(TaskInfo(lineage, 4, 0, 0), schema, False, rows([1, 2, 3]))
+    ds.pre_commit(TaskInfo(lineage, 4, 2, 0), schema, False, rows([7, 8]))
+    with pytest.raises(ReplayMismatch) as raised:
+        ds.pre_commit(TaskInfo(lineage, 4, 2, 1), schema, False, rows([7, 9]))
+    msg = str(raised.value)
+    assert f"partition(s) 0, 2 of batch 4 of lineage {lineage} (5 rows) are already visible" in msg, msg
+    assert "at or after batch 4" in msg and "restart the SAME lineage" in msg, msg
+    assert "taken before this batch with --fork" not in msg, msg
+    assert sorted(case.read_ids()) == [1, 2, 3, 7, 8]
+    assert ds.visible_partitions(lineage, 4) == {0: 3, 2: 2}
+    assert ds.visible_partitions(lineage, 5) == {}
+
+
 # ---- crash windows -----------------------------------------------------------------------------
 
 

@@ -13,6 +13,7 @@ either; they read the marker topic with read_uncommitted, which would show one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -250,8 +251,14 @@ def test_restore_check_never_fences_a_live_jobs_transaction(kafka_broker, tmp_pa
     check = RestoreRequest("unused", fork=True)
     with pytest.raises(SinkError, match="an open transaction holds it"):
         check._committed_after(manifest, job, str(tmp_path / "fork"))
-    live.commit_transaction(10)  # not fenced by the check
+    before = dataclasses.replace(manifest, batch=10**6 - 1)  # the live transaction's batch is next
+    with pytest.raises(SinkError, match="an open transaction holds it"):
+        check._partly_visible(before, job, str(tmp_path / "fork"))
+    live.commit_transaction(10)  # not fenced by the checks
     assert check._committed_after(manifest, job, str(tmp_path / "fork")) is None
+    assert check._partly_visible(manifest, job, str(tmp_path / "fork")) is None
+    partly = check._partly_visible(before, job, str(tmp_path / "fork"))
+    assert partly is not None and (partly.batch, partly.partitions) == (10**6, {0: 0})
 
 
 def test_at_least_once_is_explicit_and_works_on_tansu(spark, kafka_broker, topic_name, tmp_path):

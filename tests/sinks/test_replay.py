@@ -59,3 +59,21 @@ def test_check_replay_names_what_differs():
         check_replay("sink", 3, 1, "lin", **same | {"digest": "4:ac"})
     with pytest.raises(ReplayMismatch, match="different source offsets"):
         check_replay("sink", 3, 1, "lin", **same | {"fingerprint": "fp2"})
+
+
+def test_check_replay_names_the_committed_partitions_and_never_advises_an_earlier_fork():
+    """Issue 28 point 2: following the advice must not duplicate the partitions already visible."""
+    same = dict(stored_fingerprint="fp", fingerprint="fp", stored_digest="4:ab", digest="4:ab")
+    committed = {0: 10, 3: 4}
+    for change in ({"digest": "4:ac"}, {"fingerprint": "fp2"}):
+        with pytest.raises(ReplayMismatch) as raised:
+            check_replay("sink", 7, 3, "lin", **same | change, committed=committed)
+        msg = str(raised.value)
+        assert "partition(s) 0, 3 of batch 7 of lineage lin (14 rows) are already visible" in msg, msg
+        assert "savepoint taken at or after batch 7" in msg and "Do NOT fork" in msg, msg
+        assert "taken before this batch with --fork" not in msg
+        assert "restart with 'onceflow run --from-savepoint SP --fork'" not in msg
+    with pytest.raises(ReplayMismatch, match=r"partition\(s\) 3 of batch 7 .*\(2 rows\) are staged"):
+        check_replay("sink", 7, 3, "lin", **same | {"digest": "2:00"}, committed={3: 2}, staged=True)
+    with pytest.raises(ReplayMismatch, match=r"partition\(s\) 3 of batch 7 .*\(0 rows or more\)"):
+        check_replay("sink", 7, 3, "lin", **same | {"digest": "2:00"})  # the sink knew no others

@@ -9,6 +9,13 @@
   offsets; it is refused unless ``fork=True`` (the sinks' fingerprint check is the safety
   net behind this check). With ``fork=True`` the batches after the savepoint are replayed
   under the new lineage, and that is logged loudly.
+* **partly visible next batch**: a sink whose tasks make rows visible on their own (Kafka,
+  PostgreSQL ``idempotent``) may hold some partitions of the savepoint's next batch N under
+  the savepoint's lineage without a decision (the job died or stopped with ReplayMismatch
+  mid-batch). A fork replays all of batch N under the new lineage, so those partitions would
+  be written twice: the fork is a roll back, and its WARNING names the sink, lineage, batch,
+  partitions and row count that stay visible. Resuming the same lineage is the way that
+  cannot duplicate them (its replay skips partitions that read the same rows).
 * **rescale** (``rescale=N``): after restoring, Spark's offline state repartition
   (``StreamingCheckpointManager.repartition``, Spark 4.2+) rewrites the state into N
   partitions as an extra batch that reads no input. Spark 4.3 supports it for the RocksDB
@@ -123,6 +130,30 @@ def job_operators(spark, job: Job, context: RestoreContext | None = None) -> dic
     return ops
 
 
+@dataclass(frozen=True)
+class PartlyVisible:
+    """Partitions of batch ``batch`` of ``lineage`` visible in ``sink`` without a decision."""
+
+    sink: str
+    lineage: str
+    batch: int
+    partitions: dict[int, int | None]
+
+    @property
+    def rows(self) -> str:
+        counts = [r for r in self.partitions.values() if r is not None]
+        return f"{sum(counts)}" + (" or more" if len(counts) < len(self.partitions) else "")
+
+    def describe(self) -> str:
+        names = ", ".join(str(p) for p in sorted(self.partitions))
+        return (f"{self.sink} holds partition(s) {names} of batch {self.batch} of lineage "
+                f"{self.lineage} ({self.rows} rows) visible, although the batch was never decided")
+
+    def event(self) -> dict[str, Any]:
+        return {"sink": self.sink, "lineage": self.lineage, "batch": self.batch,
+                "partitions": sorted(self.partitions), "rows": self.rows}
+
+
 @dataclass
 class RestoreResult:
     mode: str  # resume | fork | rollback | already_restored
@@ -133,6 +164,8 @@ class RestoreResult:
     savepoint_lineage: str
     rescaled_to: int | None = None
     skipped_operators: tuple[int, ...] = ()
+    #: the savepoint's next batch, partly visible in the sink under the savepoint's lineage
+    partly_visible: PartlyVisible | None = None
 
 
 @dataclass
@@ -152,7 +185,8 @@ class RestoreRequest:
         return self._checks(checkpoint_url, job, spark)[0]
 
     def _checks(self, checkpoint_url: str, job: Job | None, spark):
-        """(manifest, mode, who committed after, skipped operators, previous marker)."""
+        """(manifest, mode, who committed after, skipped operators, previous marker, partly
+        visible next batch)."""
         sp_url = self.savepoint.rstrip("/")
         manifest = read_manifest(sp_url)
         sp_id = f"{manifest.lineage}:{manifest.batch}:{manifest.created}"
@@ -160,7 +194,7 @@ class RestoreRequest:
         fs, root = target.fs, target.path.rstrip("/")
         previous = read_marker(fs, f"{root}/{MARKER}")
         if previous and previous.get("id") == sp_id and previous.get("status") == "done":
-            return manifest, "already_restored", None, [], previous
+            return manifest, "already_restored", None, [], previous, None
         if not (previous and previous.get("id") == sp_id and previous.get("status") == "in_progress"):
             _require_empty(fs, root, target.url)
         if self.rescale is not None and self.rescale < 1:
@@ -185,7 +219,10 @@ class RestoreRequest:
                     "after the savepoint again, under the new lineage."
                 )
             mode = "rollback"
-        return manifest, mode, committed_after, skipped, previous
+        partly = None if committed_after else self._partly_visible(manifest, job, target.url)
+        if partly is not None and self.fork:
+            mode = "rollback"  # the fork writes batch N's visible partitions a second time
+        return manifest, mode, committed_after, skipped, previous, partly
 
     def apply(self, checkpoint_url: str, *, job: Job | None = None, spark=None) -> RestoreResult:
         """Restore into ``checkpoint_url``. With ``job`` and ``spark`` the operators, the sinks'
@@ -193,7 +230,7 @@ class RestoreRequest:
         sp_url = self.savepoint.rstrip("/")
         target = CheckpointDir(checkpoint_url)
         fs, root = target.fs, target.path.rstrip("/")
-        manifest, mode, committed_after, skipped, previous = self._checks(checkpoint_url, job, spark)
+        manifest, mode, committed_after, skipped, previous, partly = self._checks(checkpoint_url, job, spark)
         sp_id = f"{manifest.lineage}:{manifest.batch}:{manifest.created}"
         if mode == "already_restored":
             log.info("checkpoint %s was already restored from %s; continuing", target.url, sp_url)
@@ -224,13 +261,28 @@ class RestoreRequest:
             "mode": mode, "rescaled_to": self.rescale, "ts": round(time.time(), 3),
         })
         result = RestoreResult(mode, sp_url, target.url, manifest.batch, lineage, manifest.lineage,
-                               self.rescale, tuple(skipped))
-        if mode == "rollback":
+                               self.rescale, tuple(skipped), partly)
+        if mode == "rollback" and committed_after:
             log.warning(
                 "ROLL BACK: restored %s (batch %d of lineage %s) although %s committed later "
-                "batches; the job continues under the NEW lineage %s and replays everything after "
-                "batch %d", sp_url, manifest.batch, manifest.lineage, committed_after, lineage,
-                manifest.batch)
+                "batches. Their rows STAY VISIBLE: the job continues under the NEW lineage %s and "
+                "replays everything after batch %d, so the sink receives those rows again",
+                sp_url, manifest.batch, manifest.lineage, committed_after, lineage, manifest.batch)
+        elif mode == "rollback" and partly is not None:
+            log.warning(
+                "ROLL BACK: forked %s (batch %d of lineage %s) although %s. Those rows STAY "
+                "VISIBLE: the job continues under the NEW lineage %s and replays all of batch %d, "
+                "so up to %s rows are DUPLICATED in the sink. To avoid that, resume lineage %s "
+                "instead (its replay skips those partitions) or fork from a savepoint taken at or "
+                "after batch %d", sp_url, manifest.batch, manifest.lineage, partly.describe(), lineage,
+                partly.batch, partly.rows, manifest.lineage, partly.batch)
+        elif partly is not None:
+            log.warning(
+                "restored %s (batch %d) into %s, resuming lineage %s although %s: the replay of "
+                "batch %d skips each of them whose input is the same (same offsets/%d, "
+                "deterministic transform); if it differs, the job stops with ReplayMismatch and "
+                "writes nothing", sp_url, manifest.batch, target.url, lineage, partly.describe(),
+                partly.batch, partly.batch)
         else:
             log.info("restored %s (batch %d) into %s: %s, lineage %s", sp_url, manifest.batch,
                      target.url, mode, lineage)
@@ -238,6 +290,7 @@ class RestoreRequest:
             "restore", savepoint=sp_url, mode=mode, batch=manifest.batch, lineage=lineage,
             savepoint_lineage=manifest.lineage, rescaled_to=self.rescale,
             skipped_operators=list(skipped), committed_after=committed_after,
+            partly_visible=partly.event() if partly is not None else None,
         )
         return result
 
@@ -305,6 +358,26 @@ class RestoreRequest:
             return manifest.planned_batch
         return manifest.batch
 
+    @staticmethod
+    def _sink(job: Job, checkpoint_url: str) -> Any:
+        """The job's sink data source for reads beside a possibly running job of the lineage."""
+        sink = job.sink.data_source({"checkpointlocation": checkpoint_url})
+        # Forking a running job: its lineage is live, a read must not fence its transactions.
+        sink.fence_stale = False
+        return sink
+
+    def _partly_visible(self, manifest: Manifest, job: Job | None, checkpoint_url: str) -> PartlyVisible | None:
+        """The savepoint's next batch when the job's sink shows some of its partitions under
+        the savepoint's lineage without a decision (asked only when that batch is undecided)."""
+        if job is None:
+            return None
+        nxt = self._last_replayed(manifest) + 1
+        sink = self._sink(job, checkpoint_url)
+        parts = sink.visible_partitions(manifest.lineage, nxt)
+        if not parts:
+            return None
+        return PartlyVisible(f"sink {job.sink.format_name} ({sink!r})", manifest.lineage, nxt, dict(parts))
+
     def _committed_after(self, manifest: Manifest, job: Job | None, checkpoint_url: str) -> str | None:
         """Who already committed batches after the savepoint's batch for its lineage, if anyone.
 
@@ -313,9 +386,7 @@ class RestoreRequest:
         last = self._last_replayed(manifest)
         nxt = last + 1
         if job is not None:
-            sink = job.sink.data_source({"checkpointlocation": checkpoint_url})
-            # Forking a running job: its lineage is live, a read must not fence its transactions.
-            sink.fence_stale = False
+            sink = self._sink(job, checkpoint_url)
             if sink.decision(manifest.lineage, nxt) is not None:
                 return f"the sink {job.sink.format_name} (it holds a decision for batch {nxt})"
         origin = CheckpointDir(manifest.created_from)

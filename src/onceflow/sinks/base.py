@@ -224,6 +224,16 @@ class TwoPhaseCommitSink(DataSource, ABC):
         recovery runs lazily in a fresh commit process); they must be left alone.
         """
 
+    def visible_partitions(self, lineage: str, batch_id: int) -> dict[int, int | None]:
+        """Partitions of batch N of ``lineage`` whose rows are visible although the batch is
+        undecided -> their row counts (None: unknown). Only sinks whose tasks make rows visible
+        on their own (Kafka, PostgreSQL ``idempotent`` append) have any; the default, for sinks
+        where nothing is visible before the driver's commit, is none. Restore and fork call it
+        to tell a partly visible batch (:mod:`onceflow.savepoint.restore`): it only reads, and
+        fences or locks nothing (a live job of the lineage may be running beside it). For a
+        decided batch the answer may be empty."""
+        return {}
+
     @property
     def epoch(self) -> int | None:
         """This driver's fencing epoch (the ``epoch`` option), None before :meth:`open`."""

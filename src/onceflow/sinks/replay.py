@@ -12,12 +12,15 @@ partition read:
 
 A replay computes both while it consumes its input (it always consumes it: upstream stateful
 operators commit their state only when the input is drained) and skips only when they match;
-otherwise it raises :class:`~onceflow.errors.ReplayMismatch` and writes nothing.
+otherwise it raises :class:`~onceflow.errors.ReplayMismatch` and writes nothing. The error
+names the partitions of (lineage, batch) already committed, with their rows, and advises only
+what cannot write them again: the same lineage with the same input, or a fork from a savepoint
+taken at or after the batch (never one taken before it, which replays the whole batch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -123,25 +126,57 @@ def task_fingerprint(checkpoint: str | None, batch_id: int) -> str:
         return "unknown"
 
 
+def committed_partitions(batch: int, lineage: str, parts: Mapping[int, int | None], *,
+                         staged: bool = False) -> str:
+    """``"partition(s) 0, 2 of batch 5 of lineage L (1200 rows) are already visible"``."""
+    names = ", ".join(str(p) for p in sorted(parts)) or "none"
+    counts = [r for r in parts.values() if r is not None]
+    rows = f"{sum(counts)} rows" + (" or more" if len(counts) < len(parts) else "")
+    what = ("staged (merged into the table only once the batch is decided)" if staged
+            else "already visible")
+    return f"partition(s) {names} of batch {batch} of lineage {lineage} ({rows}) are {what}"
+
+
+def replay_advice(batch: int, *, staged: bool = False) -> str:
+    """What to do after a ReplayMismatch without duplicating the partitions already committed."""
+    harm = ("leaves their staged rows behind under the old lineage for good" if staged
+            else "writes their rows a second time")
+    return (
+        f"To finish batch {batch} without duplicating them: give the job back what batch {batch} "
+        f"read (the checkpoint's offsets/{batch} as committed, and a deterministic transform: no "
+        "repartition() without keys, rand(), uuid() or current time) and restart the SAME lineage "
+        "(onceflow run without --from-savepoint/--fork): the replay then skips them. Or fork from a "
+        f"savepoint taken at or after batch {batch}, once batch {batch} is fully committed. Do NOT "
+        f"fork or restore from a savepoint taken before batch {batch}: that replays all of batch "
+        f"{batch} under a new lineage and {harm}")
+
+
 def check_replay(where: str, batch: int, partition: int, lineage: str, *, stored_fingerprint: str | None,
-                 fingerprint: str, stored_digest: str | None, digest: str) -> None:
+                 fingerprint: str, stored_digest: str | None, digest: str,
+                 committed: Mapping[int, int | None] | None = None, staged: bool = False) -> None:
     """Raise :class:`ReplayMismatch` unless the replay read what the committed attempt read.
 
-    A marker written before digests existed (``None``) is trusted; 'unknown' fingerprints (an
-    executor that cannot read the checkpoint) are compared by content alone."""
+    ``committed``: the partitions of (lineage, batch) the sink already holds committed, with
+    their row counts (None: unknown); the error names them and gives advice that cannot
+    duplicate them (``staged``: upsert rows not visible before the decision). A marker written
+    before digests existed (``None``) is trusted; 'unknown' fingerprints (an executor that
+    cannot read the checkpoint) are compared by content alone."""
+    parts = dict(committed or {})
+    parts.setdefault(partition, None)
     known = stored_fingerprint not in (None, "unknown") and fingerprint != "unknown"
     if known and stored_fingerprint != fingerprint:
         raise ReplayMismatch(
             f"{where}: batch {batch} partition {partition} of lineage {lineage} was already committed "
             f"from different source offsets (stored fingerprint {stored_fingerprint}, this run "
-            f"{fingerprint}). The checkpoint was restored from an older savepoint or edited while "
-            "keeping the lineage: restart with 'onceflow run --from-savepoint SP --fork' to get a new "
-            "lineage.")
+            f"{fingerprint}); nothing was written. The checkpoint was restored from an older "
+            "savepoint or edited while keeping the lineage. "
+            f"{committed_partitions(batch, lineage, parts, staged=staged)}. "
+            f"{replay_advice(batch, staged=staged)}.")
     if stored_digest is not None and stored_digest != digest:
         raise ReplayMismatch(
             f"{where}: the replay of batch {batch} partition {partition} (lineage {lineage}) read "
             f"other rows (rows:digest {digest}) than the attempt that committed it ({stored_digest}); "
             "skipping it could lose or duplicate rows, so nothing was written. The job's output is "
-            "not deterministic for the same input (repartition() without keys, rand(), uuid(), "
-            "current time in the transform): make it deterministic, or restart from a savepoint "
-            "taken before this batch with --fork.")
+            "not deterministic for the same input. "
+            f"{committed_partitions(batch, lineage, parts, staged=staged)}. "
+            f"{replay_advice(batch, staged=staged)}.")

@@ -320,6 +320,18 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                 P.drop_producer(txn)
             return markers.refresh(wait=self.timeout)
 
+    def _committed_parts(self, markers: MarkerLog, lineage: str, batch_id: int) -> dict[int, int | None]:
+        """Partition -> rows of every partition marker of (lineage, batch): each one's rows are visible."""
+        return {p: m.get("rows") for (s, lin, b, p), m in markers.parts.items()
+                if s == self.sink_id and lin == lineage and b == batch_id}
+
+    def visible_partitions(self, lineage: str, batch_id: int) -> dict[int, int | None]:
+        """The partitions of batch N whose Kafka transactions committed (their markers), with
+        their row counts. A read of the marker log; with ``fence_stale`` False it fences nothing."""
+        if self.mode != "exactly_once":
+            return {}
+        return self._committed_parts(self._refreshed(lineage, set()), lineage, batch_id)
+
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
         if self.mode != "exactly_once":
             return self._write_at_least_once(task, schema, batches)
@@ -346,7 +358,8 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
                 pass
             check_replay(f"{FORMAT} sink {self.sink_id}", task.batch_id, task.partition, task.lineage,
                          stored_fingerprint=done.get("fingerprint"), fingerprint=fingerprint,
-                         stored_digest=done.get("digest"), digest=digest.hexdigest())
+                         stored_digest=done.get("digest"), digest=digest.hexdigest(),
+                         committed=self._committed_parts(markers, task.lineage, task.batch_id))
             log.info("%s: batch %d partition %d already committed by attempt %s; skipped",
                      FORMAT, task.batch_id, task.partition, done.get("attempt"))
             return {"partition": task.partition, "attempt": done.get("attempt"),

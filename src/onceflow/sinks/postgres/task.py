@@ -77,6 +77,28 @@ class TaskWriter:
         q = sql.SQL("SELECT 1 FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s").format(self.log_table)
         return conn.execute(q, [self.sink_id, lineage, batch_id]).fetchone() is not None
 
+    def _marked(self, conn: psycopg.Connection, lineage: str, batch_id: int) -> dict[int, int | None]:
+        """Partition -> rows of every committed marker of (lineage, batch), an undecided batch
+        (a decision deletes them): append rows are visible, upsert rows staged."""
+        return dict(conn.execute(sql.SQL(
+            "SELECT partition, rows FROM {} WHERE sink = %s AND lineage = %s AND batch_id = %s ORDER BY 1"
+        ).format(self.marker_table), [self.sink_id, lineage, batch_id]).fetchall())
+
+    def visible_partitions(self, lineage: str, batch_id: int) -> dict[int, int | None]:
+        """idempotent append: the partitions of undecided batch N whose task transactions
+        committed (their rows are in the table). upsert stages rows (invisible until the merge)
+        and two_phase prepares them: none. A read; it takes no lock."""
+        if self.mode != "idempotent" or self.write_kind == "upsert":
+            return {}
+
+        def run(conn: psycopg.Connection) -> dict[int, int | None]:
+            try:
+                return self._marked(conn, lineage, batch_id)
+            except psycopg.errors.UndefinedTable:  # no marker table yet: nothing was written here
+                return {}
+
+        return self._retrying("marker lookup", run, lineage)
+
     def _task_epoch(self, conn: psycopg.Connection, lineage: str) -> int:
         """The task's epoch: the ``epoch`` option, which must not be older than the stored one
         (else FencedError); without it (plain writeStream) the stored epoch."""
@@ -246,7 +268,9 @@ class TaskWriter:
                     pass
                 check_replay(f"{FORMAT} sink {self.sink_id}", task.batch_id, task.partition, task.lineage,
                              stored_fingerprint=stored_fp, fingerprint=fingerprint,
-                             stored_digest=stored_digest, digest=digest.hexdigest())
+                             stored_digest=stored_digest, digest=digest.hexdigest(),
+                             committed=self._marked(conn, task.lineage, task.batch_id),
+                             staged=self.write_kind == "upsert")
                 return {"partition": task.partition, "rows": done}, done
             rows = self._write_rows(cur, task, schema, digest.feed(batches))
             cur.execute(sql.SQL(
