@@ -44,6 +44,7 @@ from onceflow.sinks.kafka.common import (
     reachable,
     seconds_option,
 )
+from onceflow.sinks.kafka.config import OPTIONS_DOC
 from onceflow.sinks.kafka.markers import (
     MarkerLog,
     MarkerWait,
@@ -79,32 +80,7 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
     #: False: reading markers never fences another transaction (restore checks set this, as a
     #: live job of the same lineage may be running beside them).
     fence_stale: bool = True
-    options_doc = {
-        "bootstrap_servers": "host:port[,host:port] of the Kafka cluster (required)",
-        "topic": "topic to write to (else each row's topic column)",
-        "key_column": "column holding the record key (default 'key'; optional in the input)",
-        "value_column": "column holding the record value (default 'value')",
-        "topic_column": "column holding a per-row topic (default 'topic'; used if present)",
-        "mode": "exactly_once (default; transactions + markers) or at_least_once (explicit)",
-        "producer_config": "JSON object of extra librdkafka producer properties (security, ...)",
-        "sink_id": "name of this sink in the job, part of transactional ids and markers (default 'kafka')",
-        "marker_topic": f"topic for markers (default {MARKER_TOPIC}; created compacted if missing)",
-        "marker_partitions": ("partition count that routes a lineage's markers (default: the marker "
-                              "topic's); pin it when partitions were added to the marker topic"),
-        "marker_start_step": (f"offsets a lineage's marker start must move before the driver records "
-                              f"it in the checkpoint, where new readers start (default {DEFAULT_STEP})"),
-        "timeout": "seconds for metadata, flush, init_transactions, commit and marker reads (default 60)",
-        "transaction_timeout": ("seconds a Kafka transaction may stay open, i.e. the longest a task "
-                                "may take to produce its partition (transaction.timeout.ms; default "
-                                f"{DEFAULT_TRANSACTION_TIMEOUT:g}; at most the broker's "
-                                "transaction.max.timeout.ms)"),
-        "skip_broker_probe": ("tests only: do not check that the broker hides aborted records; "
-                              "exactly-once is then NOT verified (warning logged, event "
-                              "'guarantee_unverified' in the job's event log)"),
-        "serialize_commits": ("auto (default: true with skip_broker_probe), true or false: this "
-                              "host's transaction ends on the broker take turns, for brokers that "
-                              "wedge a partition when two end at once (tansu 0.6)"),
-    }
+    options_doc = OPTIONS_DOC
 
     def __init__(self, options):
         super().__init__(options)
