@@ -6,7 +6,8 @@ instead. The driver commits one Delta version with every add action and an app t
 ``onceflow-<sink>-<lineage>`` at version = batch id: decision and commit are one atomic
 log write, so the crash windows "after decide" and "mid-commit" cannot occur. A replayed
 batch finds the app transaction and writes nothing. Files and directories of failed or
-speculative attempts are deleted after the batch commits and on recovery.
+speculative attempts are deleted after the batch commits and on recovery; those finished late,
+after their batch committed, by later commits and recovery (:meth:`DeltaDataSource.commit`).
 
 Fencing: the epoch of (sink, lineage) is a second app transaction
 ``onceflow-<sink>-<lineage>-epoch`` in the same Delta log. :meth:`DeltaDataSource.acquire_epoch`
