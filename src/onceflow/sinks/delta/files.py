@@ -15,7 +15,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import lru_cache
 from typing import Any
 
@@ -58,21 +58,58 @@ def unit(path: str) -> str:
     return path.split("/", 1)[0]
 
 
-def orphan_rule(keep: set[str], mine: int | None, last: int,
-                last_files: set[str] | None) -> Callable[[int, int, str], bool]:
+def orphan_rule(keep: set[str], mine: int | None, last: int, last_files: set[str] | None,
+                decided: Mapping[int, frozenset[str]] | None = None) -> Callable[[int, int, str], bool]:
     """Whether a file of (batch, epoch, name) is an orphan that recovery may delete: not in
     flight (``keep``), written under an older epoch than ``mine``, and either of a batch after
-    the last decided one or of the last decided batch but not in its decision (``last_files``;
-    None: the decision's files are unknown, keep them all)."""
+    the last decided one, or of the last decided batch but not in its decision (``last_files``;
+    None: the decision's files are unknown, keep them all), or of an earlier batch whose
+    decision ``decided`` lists (batch -> units) and does not name it (a straggler's late file)."""
 
     def orphan(b: int, e: int, name: str) -> bool:
         if name in keep or (mine is not None and e >= mine):
             return False
         if b > last:
             return True
-        return b == last and last_files is not None and name not in last_files
+        if b == last:
+            return last_files is not None and name not in last_files
+        return decided is not None and b in decided and name not in decided[b]
 
     return orphan
+
+
+def losing_rule(batch_id: int, keep: set[str], mine: int | None,
+                decided: Mapping[int, frozenset[str]]) -> Callable[[int, int, str], bool]:
+    """Whether the commit of ``batch_id`` (decision units ``keep``) may delete a file of
+    (batch, epoch, name): never one of a newer epoch than ``mine``; of this batch, one its
+    decision does not list; of another batch, one that batch's decision (``decided``: batch ->
+    units, the decisions this process knows) does not list. A decided batch is never in
+    flight again, so such a file is a loser whatever its epoch: a straggler's, a speculative
+    attempt's, a lost executor's or a zombie's, finished after the batch committed. A file
+    deleted while its writer still writes it may reappear; a later commit deletes it again.
+    Undecided batches (not in ``decided``) are never touched."""
+
+    def losing(b: int, e: int, name: str) -> bool:
+        if mine is not None and e > mine:
+            return False
+        if b == batch_id:
+            return name not in keep
+        return b in decided and name not in decided[b]
+
+    return losing
+
+
+def recent_decisions(table: DeltaTable, lineage: str, versions: int) -> dict[int, frozenset[str]]:
+    """batch -> decision units of this lineage's batches decided in the table's last
+    ``versions`` log versions (one pass over their commit infos)."""
+    found: dict[int, frozenset[str]] = {}
+    for entry in table.history(limit=versions):
+        meta = entry.get("onceflow")
+        if isinstance(meta, str):
+            meta = json.loads(meta)
+        if meta and meta.get("lineage") == lineage and isinstance(meta.get("batch"), int):
+            found.setdefault(meta["batch"], frozenset(unit(p) for p in meta.get("files", [])))
+    return found
 
 
 @lru_cache(maxsize=65536)

@@ -26,6 +26,10 @@ Guarantee (exactly-once), step by step, and what a crash leaves:
    become the handles of :meth:`TwoPhaseCommitWriter.commit`, which looks the decision up,
    decides (epoch check and batch-undecided check in the same conditional log write), and
    cleans up. A driver of an older epoch is refused there (FencedError) and commits nothing.
+   Before that, the footers' row total must equal the rows Spark wrote (counted during the
+   write by an :class:`~pyspark.sql.Observation`, no second pass): a driver that does not see
+   every file (executors writing to disks of their own, not shared at the table's path) fails
+   the batch with SinkError instead of committing a decision that misses files.
 
 Partitioned tables: Spark's ``partitionBy`` writes Hive-style subdirectories of the attempt
 directory; each file's partition values are read back from its path (:mod:`.partitions`), and
@@ -48,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from py4j.protocol import Py4JJavaError
+from pyspark.sql import Observation
+from pyspark.sql import functions as F
 
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
@@ -81,6 +87,8 @@ COMMITTER_DIRS = "_temporary/0/_temporary"
 SESSION_CONF = {"spark.sql.parquet.outputTimestampType": "TIMESTAMP_MICROS"}
 #: how often (in batches) a column written plain gets a dictionary attempt again
 REPROBE_BATCHES = 100
+#: seconds to wait for Spark to report the rows a write wrote (it does when the write returns)
+ROWS_REPORT_S = 60.0
 
 
 class JvmBatchWriter:
@@ -121,12 +129,15 @@ class JvmBatchWriter:
             for key, value in SESSION_CONF.items():
                 df.sparkSession.conf.set(key, value)
         parts, df = self._shaped(df, lineage)
+        written = Observation()  # rows Spark writes, counted as it writes them
+        df = df.observe(written, F.count(F.lit(1)).alias("rows"))
         options = {**WRITE_OPTIONS, **{f"parquet.enable.dictionary#{c}": "false" for c in self._plain}}
         self._make_dirs(name)
         self._spark_write(batch_id, lambda: df.write.options(**options).partitionBy(*parts).mode("append")
                           .parquet(f"{src.table_url}/{name}"))
         t1 = time.perf_counter()
         handles = self._handles(name, parts)
+        self._check_rows(batch_id, name, handles, written)
         t2 = time.perf_counter()
         maybe_crash("after_precommit", batch_id, None, src.opts)
         messages = [PreCommitted(lineage, batch_id, i, 0, h["rows"], h) for i, h in enumerate(handles)]
@@ -156,6 +167,28 @@ class JvmBatchWriter:
                 log.error("onceflow-delta: Spark's write of batch %d failed: %s", batch_id, e)
             raise SinkError(f"onceflow-delta: Spark's write of batch {batch_id} failed: "
                             f"py4j.protocol.Py4JJavaError: {e.errmsg}: {java}") from None
+
+    def _check_rows(self, batch_id: int, name: str, handles: list[dict[str, Any]],
+                    written: Observation) -> None:
+        """Refuse (SinkError, nothing committed) a decision whose files, as this driver lists
+        them, do not hold exactly the rows Spark wrote: on a cluster whose executors write to
+        disks of their own at the table's ``file://`` path, the driver sees only its own copy
+        of the attempt directory, and committing it would silently lose the other rows."""
+        future, deadline = written._jo.future(), time.monotonic() + ROWS_REPORT_S  # type: ignore[union-attr]
+        while not future.isCompleted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not future.isCompleted():
+            raise SinkError(f"onceflow-delta: Spark did not report how many rows it wrote for batch "
+                            f"{batch_id} within {ROWS_REPORT_S:.0f} s; nothing was committed (the "
+                            "restart strategy runs the batch again)")
+        rows, listed = int(written.get["rows"]), sum(h["rows"] for h in handles)
+        if rows != listed:
+            raise SinkError(
+                f"onceflow-delta: batch {batch_id}: Spark wrote {rows} rows into {self.source.table_url}/"
+                f"{name}, but the driver finds {listed} in the files it lists there, so executors wrote "
+                "files the driver cannot see (their file:// path is not storage every node shares); "
+                "nothing was committed. Put the table on a filesystem mounted at the same path on the "
+                "driver and every executor, or use DeltaSink(..., writer='arrow')")
 
     def _make_dirs(self, name: str) -> None:
         """Create the attempt directory and the committer's job directories in it

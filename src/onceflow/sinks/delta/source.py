@@ -6,7 +6,8 @@ instead. The driver commits one Delta version with every add action and an app t
 ``onceflow-<sink>-<lineage>`` at version = batch id: decision and commit are one atomic
 log write, so the crash windows "after decide" and "mid-commit" cannot occur. A replayed
 batch finds the app transaction and writes nothing. Files and directories of failed or
-speculative attempts are deleted after the batch commits and on recovery.
+speculative attempts are deleted after the batch commits and on recovery; those finished late,
+after their batch committed, by later commits and recovery (:meth:`DeltaDataSource.commit`).
 
 Fencing: the epoch of (sink, lineage) is a second app transaction
 ``onceflow-<sink>-<lineage>-epoch`` in the same Delta log. :meth:`DeltaDataSource.acquire_epoch`
@@ -56,8 +57,10 @@ from onceflow.sinks.delta.files import (
     delta_schema,
     dir_name,
     file_name,
+    losing_rule,
     orphan_rule,
     parse_unit,
+    recent_decisions,
     remove_units,
     to_arrow_schema,
     unit,
@@ -73,6 +76,8 @@ _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = 
 _TABLES: dict[tuple[str, str], tuple[DeltaTable, Any]] = {}  # per process: see DeltaDataSource._table
 _TABLES_LOCK = threading.Lock()
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
+#: log versions whose decisions recovery reads to sweep late files of earlier batches
+_SWEEP_VERSIONS = 256
 #: Conditional commits lost to other writers of the table before giving up (SinkError).
 _MAX_CONFLICTS = 100
 
@@ -487,39 +492,37 @@ class DeltaDataSource(TwoPhaseCommitSink):
                                        partition_by=list(parts) or None, commit_properties=props)
 
     def _decided_here(self, lineage: str) -> OrderedDict[int, frozenset[str]]:
-        """The files of the last :data:`_DECIDED_KEPT` batches decided under this driver's
-        epoch in this process. A file of an older epoch for such a batch that the decision does
-        not list is an orphan. Kept per process: Spark makes a new data source per commit."""
+        """The files of the last :data:`_DECIDED_KEPT` batches decided or committed under this
+        driver's epoch in this process (and those recovery read): a file of such a batch that
+        its decision does not list is a late loser (:func:`~.files.losing_rule`). Kept per
+        process: Spark makes a new data source per commit."""
         return _DECIDED.setdefault((self.table_url, lineage, self.epoch), OrderedDict())
 
     def _remember(self, decision: Decision) -> None:
         decided = self._decided_here(decision.lineage)
         decided[decision.batch_id] = frozenset(unit(h["path"]) for h in decision.handles)
+        decided.move_to_end(decision.batch_id)
         while len(decided) > _DECIDED_KEPT:
             decided.popitem(last=False)
 
     def commit(self, decision: Decision) -> None:
         """Visible since :meth:`decide`; here only remove files of losing attempts.
 
-        Never deletes a file the decision lists, nor one written under a newer epoch than this
-        driver's; when the decision's file list is unknown (its log entry was cleaned up)
-        nothing is deleted at all. Also removes files that an older epoch's tasks wrote late
-        (a paused driver woken after this one took over) for any of the last 1000 batches this
-        driver decided: :meth:`recover` ran before they appeared and only looks at undecided
-        batches.
+        Never deletes a file the decision lists, nor one of a batch not known to be decided
+        (in flight), nor one written under a newer epoch than this driver's; when the
+        decision's file list is unknown (its log entry was cleaned up) nothing is deleted at
+        all. Besides the batch's own losers, the same listing sweeps late files of any of the
+        last 1000 batches decided here (:func:`~.files.losing_rule`): those of stragglers,
+        speculative attempts, lost executors and woken zombies that finished after their
+        batch committed, of this driver's epoch or an older one.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
             return
+        self._remember(decision)  # a replay's too: its late files are swept by later commits
         keep = {unit(h["path"]) for h in decision.handles}
-        mine, decided_here = self.epoch, self._decided_here(decision.lineage)
-
-        def losing(b: int, e: int, name: str) -> bool:
-            if b == decision.batch_id:
-                return name not in keep and (mine is None or e <= mine)
-            return mine is not None and e < mine and b in decided_here and name not in decided_here[b]
-
-        self._remove_files(decision.lineage, losing)
+        decided_here = self._decided_here(decision.lineage)
+        self._remove_files(decision.lineage, losing_rule(decision.batch_id, keep, self.epoch, decided_here))
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         fs, path = self._fs()
@@ -530,11 +533,16 @@ class DeltaDataSource(TwoPhaseCommitSink):
     def recover(self, lineage: str, in_flight: Sequence[Any] = ()) -> dict[str, int]:
         """Delete this lineage's files that no decision references, written under an older epoch.
 
-        Orphans are files of batches after the last decided one, and files of the last decided
-        batch that its decision does not list (a crash interrupted :meth:`commit`'s cleanup).
-        Files of earlier versions are never touched, so time travel keeps working. Only files of
+        Orphans are files of batches after the last decided one, files of the last decided
+        batch that its decision does not list (a crash interrupted :meth:`commit`'s cleanup),
+        and files of earlier batches decided in the last :data:`_SWEEP_VERSIONS` log versions
+        that their decision does not list (late files of stragglers that finished after the
+        previous driver's last commit). Files any decision lists are never touched, so time
+        travel keeps working; a batch whose decision is not read is left alone. Only files of
         epochs older than this driver's are candidates: a file of this or a newer epoch may be
         in flight (and no older epoch can decide any more, so an old orphan stays an orphan).
+        The decisions read seed :meth:`_decided_here`, so later commits sweep files that
+        appear even later.
         """
         table = self._table()
         if table is None:
@@ -543,16 +551,20 @@ class DeltaDataSource(TwoPhaseCommitSink):
         version = table.transaction_version(self.app_id(lineage))
         last = -1 if version is None else version
         keep = {unit(h["path"]) for h in in_flight if h}
-        if last >= 0:
-            meta = commit_meta(table, lineage, last)
-            if meta is None:  # unknown file list: only clean batches after the decided one
-                last_files = None
-            else:
-                last_files = {unit(p) for p in meta.get("files", [])}
-        else:
-            last_files = set()
+        decided = recent_decisions(table, lineage, _SWEEP_VERSIONS) if last >= 0 else {}
+        last_files: set[str] | None = set()
+        if last in decided:
+            last_files = set(decided[last])
+        elif last >= 0:
+            meta = commit_meta(table, lineage, last)  # None: unknown file list, spare them
+            last_files = None if meta is None else {unit(p) for p in meta.get("files", [])}
+        here = self._decided_here(lineage)
+        for b in sorted(decided):
+            here.setdefault(b, decided[b])
+        while len(here) > _DECIDED_KEPT:
+            here.popitem(last=False)
 
-        orphan = orphan_rule(keep, mine, last, last_files)
+        orphan = orphan_rule(keep, mine, last, last_files, decided)
 
         return {"orphans_removed": self._remove_files(lineage, orphan)}
 
