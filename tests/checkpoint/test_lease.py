@@ -169,3 +169,23 @@ def test_a_paused_holder_whose_successor_took_over_is_fenced_not_just_lapsed(tmp
     with pytest.raises(FencedError, match="newer driver took the lease"):
         a.check()
     b.release()
+
+
+def test_a_driver_standing_by_forever_ends_its_wait_when_stopped_and_takes_nothing(tmp_path):
+    """``onceflow run`` stands by forever by default; SIGTERM (or 'onceflow stop') must end that
+    wait at once. Before: acquire() slept through it until the lease lapsed."""
+    from onceflow.outages import Stopped
+
+    holder = DriverLease(str(tmp_path), "job", ttl_s=30).acquire()
+    stop = threading.Event()
+    threading.Timer(0.5, stop.set).start()
+    waiting = DriverLease(str(tmp_path), "job", ttl_s=30)
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        waiting.acquire(wait_s=float("inf"), stop=stop)
+    assert time.monotonic() - started < 10 and waiting.waited and waiting.epoch is None
+    assert DriverLease(str(tmp_path), "job").top()["token"] == holder.token
+    holder.release()
+    free = DriverLease(str(tmp_path), "job", ttl_s=30).acquire(stop=threading.Event())
+    assert free.epoch == 2 and not free.waited
+    free.release()

@@ -1,6 +1,7 @@
 """Two ``onceflow run`` on one checkpoint, each the init of its own PID namespace, with one host
 name: an overlapping rollout, or ``hostNetwork`` pods on one node. One runs; the other stands
-by, says so, and takes over when the first pod dies. Neither fences the other.
+by, says so, and takes over when the first pod dies. Neither fences the other. ``onceflow stop``
+stops the job, not only the pod that runs it: a pod standing by exits too.
 
 Before (issue 28.6): the second pod's driver watched the holder's record, saw it renew, was
 refused ("already running", exit 5) and its supervisor ended with exit 5; an earlier version
@@ -94,9 +95,9 @@ def test_a_second_pod_with_the_same_host_name_stands_by_and_takes_over(tmp_path)
         b, b_log = _pod(tmp_path, "pod-b")
         _wait(lambda: "standing by" in b_log.read_text(), 120, "pod B to say it stands by", a, b)
         before = len(_commits(tmp_path))
-        time.sleep(15)  # both pods up: A keeps its pace, B keeps waiting
+        time.sleep(10)  # both pods up: A keeps its pace, B keeps waiting
         assert a.poll() is None and b.poll() is None, (a_log.read_text()[-2000:], b_log.read_text()[-2000:])
-        assert len(_commits(tmp_path)) - before >= 5, "pod A's batches slowed down or stopped"
+        assert len(_commits(tmp_path)) - before >= 4, "pod A's batches slowed down or stopped"
         assert _epochs(tmp_path) == [1], f"the lease changed hands while A lived: {_epochs(tmp_path)}"
 
         os.killpg(a.pid, signal.SIGKILL)  # pod A dies (its namespace's init with it)
@@ -105,6 +106,17 @@ def test_a_second_pod_with_the_same_host_name_stands_by_and_takes_over(tmp_path)
         _wait(lambda: len(_commits(tmp_path)) >= killed_at + 3, 180, "pod B to take over and commit", b)
         assert _epochs(tmp_path)[-1] == 2 and b.poll() is None
         assert "standing by" in b_log.read_text() and "already running" not in b_log.read_text()
+
+        # Pod A comes back and stands by; 'onceflow stop' stops the job: B stops, and A, which
+        # never ran it, exits too (it does not take the job over, nor take a savepoint).
+        a, a_log = _pod(tmp_path, "pod-a2")
+        _wait(lambda: "standing by" in a_log.read_text(), 120, "the restarted pod A to stand by", a, b)
+        stop = subprocess.run([sys.executable, "-m", "onceflow", "stop", str(tmp_path / "ckpt")],
+                              capture_output=True, text=True, timeout=200)
+        assert stop.returncode == 0, stop.stderr
+        assert b.wait(timeout=120) == 0 and a.wait(timeout=120) == 0, (a_log.read_text()[-2000:],)
+        assert _epochs(tmp_path)[-1] == 2, "the stopped job was started again by the standing-by pod"
+        assert "stood by" in a_log.read_text() or "standing by for the lease" in a_log.read_text()
     finally:
         for p in (a, b):
             if p is not None and p.poll() is None:

@@ -134,10 +134,10 @@ def _main(argv: list[str], done: threading.Event) -> int:
                 return EXIT_OK
             waiting_standby[0] = False
             _serve_metrics(job, started)
-            run_in_process(job, spark, stop, restore=restore_from_env(), takeover=takes_over(go))
+            ran = run_in_process(job, spark, stop, restore=restore_from_env(), takeover=takes_over(go))
         else:
             _serve_metrics(job, started)
-            run_in_process(job, stop=stop, restore=restore_from_env())
+            ran = run_in_process(job, stop=stop, restore=restore_from_env())
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP
@@ -150,7 +150,7 @@ def _main(argv: list[str], done: threading.Event) -> int:
     except OnceflowError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_CONFIG if e.fatal else EXIT_CRASHED
-    if stop.is_set():
+    if stop.is_set() and ran:  # a driver that only stood by has nothing to save
         return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
     return EXIT_OK
 

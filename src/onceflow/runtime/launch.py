@@ -128,11 +128,14 @@ def _prepare(job: JobSpec, restore: RestoreRequest | None, *, checkpoint: str | 
 
 
 def run_in_process(job: JobSpec, spark: Any = None, stop: threading.Event | None = None, *,
-                   restore: RestoreRequest | None = None, takeover: bool = False) -> None:
-    """``Job.run()``: steps 1-5 in this process; blocks until done, stopped or out of restarts."""
+                   restore: RestoreRequest | None = None, takeover: bool = False) -> bool:
+    """``Job.run()``: steps 1-5 in this process; blocks until done, stopped or out of restarts.
+    False when it never ran: stopped while standing by for another driver's lease."""
     ckpt, absent = _prepare(job, restore, spark=spark, check=False)  # the runner checks it
+    runner = JobRunner(job, spark=spark, stop=stop, restore=restore, takeover=takeover, checkpoint=ckpt)
     try:
-        JobRunner(job, spark=spark, stop=stop, restore=restore, takeover=takeover, checkpoint=ckpt).run()
+        runner.run()
+        return runner.ran
     except OnceflowError:
         if restore is not None and absent:  # e.g. a checksum mismatch found while copying
             remove_if_only_onceflow(ckpt.url)

@@ -41,6 +41,7 @@ from onceflow.errors import (
 from onceflow.outages import Stopped, short, wait_out
 from onceflow.runtime import scratch
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
+from onceflow.savepoint.operations import stop_requested
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
 if TYPE_CHECKING:
@@ -139,6 +140,7 @@ class JobRunner:
                  takeover: bool = False, checkpoint: CheckpointDir | None = None):
         self.job = job
         self.takeover = takeover
+        self.ran = False
         self.restore = restore  # a savepoint.RestoreRequest, applied before the first query
         self.spark = spark
         self.stop = stop or threading.Event()
@@ -149,7 +151,20 @@ class JobRunner:
 
     # ---- public ------------------------------------------------------------------------
 
+    def _stopped_meanwhile(self, since: float) -> bool:
+        """Whether ``onceflow stop`` stopped the job since ``since``: its request is still there
+        (the stopping driver consumes it after releasing the lease) or was done meanwhile."""
+        try:
+            return stop_requested(self.url) or any(
+                e.get("event") == "stop_request_done" and float(e.get("ts", 0)) >= since
+                for e in self.events.read())
+        except Exception as e:  # noqa: BLE001 - unreadable: start (the stop retries, the lease fences)
+            log.warning("could not read the stop request of %s (%s); starting", self.url, short(e))
+            return False
+
     def run(self) -> None:
+        """Run the job until it finishes, is stopped or fails for good. ``ran`` says afterwards
+        whether it ran at all (False: stopped while standing by for another driver's lease)."""
         job = self.job
         try:
             check_checkpoint_dir(self.ckpt, self.stop)
@@ -162,8 +177,17 @@ class JobRunner:
             if spark is None and float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0)) > 0 and lease.holder():
                 spark = self._spark()  # waiting for another host's lease: start Spark meanwhile
             spark_s = time.time() - t0
-            self.lease = lease.acquire(takeover=self.takeover)
+            try:
+                self.lease = lease.acquire(takeover=self.takeover, stop=self.stop)
+            except Stopped:
+                log.info("stopped while standing by for the lease of %s; the job ran elsewhere", self.url)
+                return
             stack.callback(self.lease.release)
+            if self.lease.waited and self._stopped_meanwhile(t0):
+                log.info("the job was stopped ('onceflow stop') while this driver stood by for its "
+                         "lease; not starting it")
+                return
+            self.ran = True
             lease_s = time.time() - t0 - spark_s
             if spark is None:
                 spark = self._spark()

@@ -17,6 +17,7 @@ from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import identity
 from onceflow.checkpoint.lease.sighting import SIGHTINGS, held_s
 from onceflow.errors import ConfigError, FencedError, LeaseLost, OnceflowError, StoreUnavailable
+from onceflow.outages import Stopped
 from onceflow.storage import write_whole
 
 log = logging.getLogger("onceflow.lease")
@@ -62,6 +63,7 @@ class DriverLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewals = 0
+        self.waited = False  #: another driver held the lease when acquire() began (see acquire)
         self._acquired_at = 0.0  # identity.clock() when the create of our record started
         self._renewed_at = 0.0  # ... when the last successful write of our record started
 
@@ -214,7 +216,8 @@ class DriverLease:
         self._acquired_at = self._renewed_at = started
         return True
 
-    def acquire(self, takeover: bool = False, wait_s: float | None = None) -> DriverLease:
+    def acquire(self, takeover: bool = False, wait_s: float | None = None,
+                stop: threading.Event | None = None) -> DriverLease:
         """Take the next epoch; FencedError while a live driver holds the lease.
 
         ``wait_s`` (default ``ONCEFLOW_LEASE_WAIT_S``, else 0): wait that long for a live
@@ -223,7 +226,9 @@ class DriverLease:
         watched until it shows a renewal (refused: it lives) or its lapse time passes (taken),
         even with ``wait_s`` 0: a restarted container takes over its own dead predecessor.
         Storage errors are retried, one warning per attempt, for ``max(wait_s, ttl)``, then
-        raised as :class:`StoreUnavailable` (not fatal: the restart strategy retries).
+        raised as :class:`StoreUnavailable` (not fatal: the restart strategy retries). A set
+        ``stop`` ends the wait with :class:`~onceflow.outages.Stopped`, nothing taken.
+        ``waited`` says afterwards whether another driver held the lease when this one came.
         """
         if wait_s is None:
             wait_s = float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0))
@@ -258,6 +263,7 @@ class DriverLease:
                     "run --from-savepoint SP --fork'); 'onceflow run --wait-for-lease SECONDS' stands by "
                     "for it instead"
                 )
+            self.waited = self.waited or verdict is not Verdict.FREE
             if verdict is not Verdict.FREE and (now - said >= 30 or said_what is not verdict):
                 said, said_what = now, verdict
                 if verdict is Verdict.HELD:
@@ -268,7 +274,10 @@ class DriverLease:
                     log.info("the lease of %s is held by pid %s on %s (epoch %s), which this host "
                              "cannot check: watching its record until it renews or lapses (%s)",
                              self.url, rec.get("pid"), rec.get("host"), top, why)
-            time.sleep(self._poll_s(rec))
+            if stop is None:
+                time.sleep(self._poll_s(rec))
+            elif stop.wait(self._poll_s(rec)):
+                raise Stopped(f"standing by for the lease of {self.url}")
         for old in epochs:  # older holders are gone or fenced: keep the directory small
             try:
                 store_call(f"removing {self._path(old)}", lambda old=old: self.fs.rm(self._path(old)))
