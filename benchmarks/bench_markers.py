@@ -42,13 +42,12 @@ HANDLES = [{"partition": p, "attempt": 0, "rows": 100, "reused": False} for p in
 READER = """
 import json, resource, sys, time
 from onceflow.sinks.kafka import KafkaSink
-from onceflow.sinks.kafka.markers import MarkerLog
 bootstrap, topic, ckpt, lineage, batch = sys.argv[1:6]
 t0 = time.perf_counter()
 ds = KafkaSink(bootstrap, "unused", marker_topic=topic, timeout=300).data_source({"checkpointlocation": ckpt})
 decided = ds.decision(lineage, int(batch)) is not None
 took = time.perf_counter() - t0
-log = MarkerLog.get(ds.conf, topic, 0, 300, "kafka", lineage)
+log = ds._markers(lineage)
 print(json.dumps({"s": took, "decided": decided, "read": log.records_read,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -124,7 +123,7 @@ def main() -> None:
                   f"({time.monotonic() - t0:.0f}s to prepare)", flush=True)
             rows[name] = reads(bs, topic, ckpt, lineage, nxt, a.repeat)
             if name == "aged" and a.no_start:
-                os.remove(os.path.join(ckpt, "_onceflow", "kafka-markers", f"{SINK}.json"))
+                os.remove(os.path.join(ckpt, "_onceflow", "sink-cache", f"kafka-markers-{SINK}.json"))
                 rows["aged, no start recorded"] = reads(bs, topic, ckpt, lineage, nxt, 1)
     print(f"\n{'topic':<26}{'first read s (median)':>22}{'records read':>14}{'peak RSS MB':>13}")
     for name, rs in rows.items():

@@ -16,6 +16,10 @@ import fsspec
 from onceflow.errors import CheckpointError
 from onceflow.storage import url_to_fs
 
+#: what sinks keep in a checkpoint to save work (never needed for correctness): cleared by a
+#: restore, since it describes the checkpoint's history before the restore
+SINK_CACHE = "_onceflow/sink-cache"
+
 
 @dataclass(frozen=True)
 class BatchOffsets:

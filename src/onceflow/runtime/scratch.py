@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from typing import IO
 
@@ -57,14 +58,42 @@ _HELD: dict[str, IO[bytes]] = {}
 
 
 def _lock(path: str) -> IO[bytes] | None:
-    """The open lock file ``path``, exclusively flock-ed; None when another process holds it."""
+    """The open lock file ``path``, exclusively flock-ed; None when another process holds it.
+    OSError when the filesystem cannot lock (NFS without locks, some FUSE mounts)."""
     f = open(path, "ab")  # noqa: SIM115 - held open on purpose (the lock lives with the fd)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:
         f.close()
         return None
+    except OSError:
+        f.close()
+        raise
     return f
+
+
+def _hold(path: str, wait_s: float = 5.0) -> IO[bytes] | None:
+    """Take this process's lock ``path`` for its life: retried while a reclaimer holds the
+    just-created file for a moment, and only once the path still names the locked file (a
+    reclaimer may have removed it). None (logged) where the filesystem cannot lock."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            f = _lock(path)
+        except OSError as e:
+            log.warning("scratch space %s cannot be locked (%s): it is used without an owner lock "
+                        "and left for you to remove", path[: -len(".lock")], e)
+            return None
+        if f is not None:
+            try:
+                if os.fstat(f.fileno()).st_ino == os.stat(path).st_ino:
+                    return f
+            except FileNotFoundError:
+                pass
+            f.close()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"scratch lock {path} stays held by another process")
+        time.sleep(0.05)
 
 
 def reclaim(job: str) -> list[str]:
@@ -81,7 +110,7 @@ def reclaim(job: str) -> list[str]:
             continue
         try:
             f = _lock(lock)
-        except OSError:  # removed meanwhile by another reclaimer
+        except OSError:  # removed meanwhile, or a filesystem without locks: leave it
             continue
         if f is None:
             continue  # its owner lives
@@ -106,10 +135,9 @@ def driver_dir(job_name: str, checkpoint_url: str) -> str:
     reclaim(job)
     path = os.path.join(job, f"driver-{os.getpid()}-{start_time(os.getpid())}-{_TAG}")
     if path + ".lock" not in _HELD:
-        f = _lock(path + ".lock")
-        if f is None:
-            raise RuntimeError(f"scratch lock {path}.lock is held by another process")
-        _HELD[path + ".lock"] = f
+        f = _hold(path + ".lock")
+        if f is not None:
+            _HELD[path + ".lock"] = f
     os.makedirs(path, exist_ok=True)
     return path
 

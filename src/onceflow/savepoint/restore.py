@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from onceflow.checkpoint.eventlog import EVENTS_DIR, EventLog
-from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.checkpoint.layout import SINK_CACHE, CheckpointDir
 from onceflow.savepoint.context import MARKER, RestoreContext, read_marker
 from onceflow.savepoint.manifest import DATA_DIR, Manifest, SavepointError, read_manifest
 from onceflow.savepoint.transfer import Copied, copy_tree
@@ -245,6 +245,8 @@ class RestoreRequest:
         existed = fs.exists(root)
         _write_marker(fs, f"{root}/{MARKER}", {"id": sp_id, "status": "in_progress", "savepoint": sp_url})
         try:
+            if fs.exists(f"{root}/{SINK_CACHE}"):  # the target's history before the restore
+                fs.rm(f"{root}/{SINK_CACHE}", recursive=True)
             self._copy(manifest, sp_fs, sp_root, sp_url, fs, root, skipped)
             if self.fork:
                 with fs.open(f"{root}/metadata", "w") as f:

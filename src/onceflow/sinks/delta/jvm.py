@@ -181,8 +181,11 @@ class JvmBatchWriter:
             raise SinkError(f"onceflow-delta: Spark did not report how many rows it wrote for batch "
                             f"{batch_id} within {ROWS_REPORT_S:.0f} s; nothing was committed (the "
                             "restart strategy runs the batch again)")
-        rows, listed = int(written.get["rows"]), sum(h["rows"] for h in handles)
-        if rows != listed:
+        rows, listed = written.get.get("rows"), sum(h["rows"] for h in handles)
+        if rows is None:  # Spark completes an observation it lost from the plan with no values
+            raise SinkError(f"onceflow-delta: Spark reported no row count for batch {batch_id}; nothing "
+                            "was committed (the restart strategy runs the batch again)")
+        if int(rows) != listed:
             raise SinkError(
                 f"onceflow-delta: batch {batch_id}: Spark wrote {rows} rows into {self.source.table_url}/"
                 f"{name}, but the driver finds {listed} in the files it lists there, so executors wrote "

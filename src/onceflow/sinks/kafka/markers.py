@@ -124,7 +124,8 @@ class MarkerLog:
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, conf: Mapping[str, Any], topic: str, partition: int, timeout: float,
-                 sink: str, lineage: str, start: int = 0, base_epoch: int | None = None):
+                 sink: str, lineage: str, start: int = 0, base_epoch: int | None = None,
+                 settled_below: int = 0):
         from confluent_kafka import Consumer, TopicPartition
 
         self.conf, self.topic, self.partition, self.timeout = dict(conf), topic, partition, timeout
@@ -144,6 +145,9 @@ class MarkerLog:
         self.epoch_offsets: list[tuple[int, int]] = []
         self.first_offsets: dict[int, int] = {}
         self.records_read = self.records_kept = 0
+        #: every batch below this one is decided (its markers may be forgotten or before
+        #: ``start``): a late task attempt of such a batch must write nothing
+        self.settled_below = settled_below
         self.pos = start
         base = {**consumer_conf(conf), "enable.auto.commit": False, "enable.partition.eof": False,
                 "auto.offset.reset": "earliest"}
@@ -156,14 +160,16 @@ class MarkerLog:
 
     @classmethod
     def get(cls, conf: Mapping[str, Any], topic: str, partition: int, timeout: float, sink: str,
-            lineage: str, origin: Callable[[], tuple[int, int | None]] = lambda: (0, None)) -> MarkerLog:
+            lineage: str, origin: Callable[[], tuple[int, int | None, int]] | None = None) -> MarkerLog:
         """This process's reader of (sink, lineage); a new one starts where ``origin()`` says
-        (offset, highest epoch before it)."""
-        key = (conf["bootstrap.servers"], topic, partition, sink, lineage)
+        (offset, highest epoch before it, the batch below which every batch is decided), or
+        at offset 0 without ``origin`` (a reader of its own: it sees every marker)."""
+        key = (conf["bootstrap.servers"], topic, partition, sink, lineage, origin is None)
         with cls._lock:
             if key not in cls._instances:
-                start, base = origin()
-                cls._instances[key] = MarkerLog(conf, topic, partition, timeout, sink, lineage, start, base)
+                start, base, settled = origin() if origin is not None else (0, None, 0)
+                cls._instances[key] = MarkerLog(conf, topic, partition, timeout, sink, lineage, start, base,
+                                                settled)
             return cls._instances[key]
 
     def horizon(self, batch: int) -> tuple[int, int]:
@@ -175,6 +181,11 @@ class MarkerLog:
         start = min([self.pos, *(off for b, off in self.first_offsets.items() if b >= batch)])
         base = max([self.base_epoch, *(e for off, e in self.epoch_offsets if off < start)])
         return start, base
+
+    def is_settled(self, batch: int) -> bool:
+        """Whether ``batch`` is decided: its decision was read, or it lies below a batch known
+        decided whose older markers this reader skipped or forgot."""
+        return (self.sink, self.lineage, batch) in self.decisions or batch < self.settled_below
 
     def latest_epoch(self, sink: str, lineage: str) -> int | None:
         """The highest epoch taken for (sink, lineage) as of the last refresh (None: none yet)."""
@@ -196,7 +207,7 @@ class MarkerLog:
                 log.warning("%s: marker topic %s partition %d ends at %d, before the recorded start %d of "
                             "lineage %s: reading it from the beginning", FORMAT, self.topic, self.partition,
                             end, self.start, self.lineage)
-                self.start = self.pos = self.recorded = self.base_epoch = 0
+                self.start = self.pos = self.recorded = self.base_epoch = self.settled_below = 0
                 self.epochs.clear()
                 self.consumer.assign([TopicPartition(self.topic, self.partition, 0)])
             deadline = time.monotonic() + wait
@@ -236,6 +247,9 @@ class MarkerLog:
         if not decided:
             return
         floor = max(decided) - KEEP_BATCHES
+        if floor <= self.settled_below:
+            return
+        self.settled_below = floor  # below the latest decision: decided (batches decide in order)
         for d in (self.parts, self.decisions, self.ignored):
             for k in [k for k in d if isinstance(k[2], int) and k[2] < floor]:
                 del d[k]

@@ -168,9 +168,10 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
     def _markers(self, lineage: str) -> MarkerLog:
         """This process's reader of the lineage's markers, from the start the checkpoint records."""
         part = marker_partition(self.marker_key(lineage), self._marker_count())
-        return MarkerLog.get(self.conf, self.marker_topic, part, self.timeout, self.sink_id, lineage,
-                             lambda: read_start(self.opts.get("checkpointlocation"), self.sink_id, lineage,
-                                                self.marker_topic, part))
+        loc = self.opts.get("checkpointlocation")
+        origin = None if not self.fence_stale else (  # restore checks read every marker
+            lambda: read_start(loc, self.sink_id, lineage, self.marker_topic, part))
+        return MarkerLog.get(self.conf, self.marker_topic, part, self.timeout, self.sink_id, lineage, origin)
 
     def _produce_marker(self, producer, lineage: str, key: str, marker: dict) -> None:
         producer.produce(self.marker_topic, json.dumps(marker).encode(), key.encode(),
@@ -254,7 +255,7 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         P._FENCED[txn] = (task.batch_id, task.attempt)
         markers = self._refreshed(lineage, {txn})
         self._check_task_epoch(markers, lineage, task.batch_id, task.partition)
-        return (self.sink_id, lineage, batch_id) in markers.decisions
+        return markers.is_settled(batch_id)
 
     def _check_task_epoch(self, markers: MarkerLog, lineage: str, batch: int, partition: int) -> None:
         """A task of an older driver epoch than the lineage's latest stops before producing."""

@@ -9,8 +9,12 @@ After each batch it decides, the driver computes the lineage's *horizon* for tha
 (:meth:`MarkerLog.horizon`): the offset at or before every marker of that batch and of later
 ones, not past its read position, and the highest epoch taken before that offset. Once the
 horizon has moved ``marker_start_step`` offsets past the recorded one, it writes it to
-``<checkpoint>/_onceflow/kafka-markers/<sink_id>.json`` (one small write; a failure is logged
-and changes nothing). A new reader of the lineage starts there, with that epoch.
+``<checkpoint>/_onceflow/sink-cache/kafka-markers-<sink_id>.json`` (one small write; a
+failure is logged and changes nothing). A new reader of the lineage starts there, with that
+epoch, and knows every batch before the recorded one is decided: a late task attempt of such
+a batch (an executor that woke after its batch was decided and the job moved on) writes
+nothing. A restore clears ``_onceflow/sink-cache/`` (a resume from an older savepoint must not
+start after the batches it replays), and restore checks read from offset 0.
 
 Guarantee: what a reader needs is never before the start. A batch that may still be replayed
 is the one just decided or a later one (Spark wrote ``commits/N-1`` before batch N started),
@@ -27,7 +31,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
-from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.checkpoint.layout import SINK_CACHE, CheckpointDir
 from onceflow.storage import write_whole
 
 if TYPE_CHECKING:
@@ -40,29 +44,31 @@ DEFAULT_STEP = 1000
 
 
 def _path(ckpt: CheckpointDir, sink_id: str) -> str:
-    return f"{ckpt.path}/_onceflow/kafka-markers/{sink_id}.json"
+    return f"{ckpt.path}/{SINK_CACHE}/kafka-markers-{sink_id}.json"
 
 
 def read_start(checkpoint: str | None, sink_id: str, lineage: str, topic: str,
-               partition: int) -> tuple[int, int | None]:
-    """(offset, epoch before it) recorded for the lineage, else (0, None): read everything."""
+               partition: int) -> tuple[int, int | None, int]:
+    """(offset, epoch before it, the batch it was recorded after: every earlier batch is
+    decided) for the lineage, else (0, None, 0): read everything."""
     if not checkpoint:
-        return 0, None
+        return 0, None, 0
     try:
         ckpt = CheckpointDir(checkpoint)
         rec: dict[str, Any] = json.loads(ckpt.fs.cat_file(_path(ckpt, sink_id)))
     except FileNotFoundError:
-        return 0, None
+        return 0, None, 0
     except Exception as e:  # noqa: BLE001 - any storage or format error: read from the beginning
         log.warning("cannot read the marker start of sink %s in %s (%s); reading its markers from "
                     "the beginning", sink_id, checkpoint, e)
-        return 0, None
+        return 0, None, 0
     if (rec.get("lineage"), rec.get("topic"), rec.get("partition")) != (lineage, topic, partition):
-        return 0, None
-    start, epoch = rec.get("start"), rec.get("epoch")
-    if not isinstance(start, int) or start < 0 or not (epoch is None or isinstance(epoch, int)):
-        return 0, None
-    return start, epoch
+        return 0, None, 0
+    start, epoch, batch = rec.get("start"), rec.get("epoch"), rec.get("batch")
+    if not (isinstance(start, int) and start >= 0 and isinstance(batch, int) and batch >= 0
+            and (epoch is None or isinstance(epoch, int))):
+        return 0, None, 0
+    return start, epoch, batch
 
 
 def write_start(checkpoint: str, sink_id: str, lineage: str, topic: str, partition: int,
@@ -73,7 +79,7 @@ def write_start(checkpoint: str, sink_id: str, lineage: str, topic: str, partiti
            "batch": batch, "start": start, "epoch": epoch}
     try:
         ckpt = CheckpointDir(checkpoint)
-        ckpt.fs.makedirs(f"{ckpt.path}/_onceflow/kafka-markers", exist_ok=True)
+        ckpt.fs.makedirs(f"{ckpt.path}/{SINK_CACHE}", exist_ok=True)
         write_whole(ckpt.fs, _path(ckpt, sink_id), json.dumps(rec).encode())
         return True
     except Exception as e:  # noqa: BLE001 - the start only saves reading; never fail a batch on it
