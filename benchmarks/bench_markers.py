@@ -40,7 +40,7 @@ SINK = "kafka"
 HANDLES = [{"partition": p, "attempt": 0, "rows": 100, "reused": False} for p in range(2)]
 
 READER = """
-import json, resource, sys, time
+import json, sys, time
 from onceflow.sinks.kafka import KafkaSink
 bootstrap, topic, ckpt, lineage, batch = sys.argv[1:6]
 t0 = time.perf_counter()
@@ -48,8 +48,9 @@ ds = KafkaSink(bootstrap, "unused", marker_topic=topic, timeout=300).data_source
 decided = ds.decision(lineage, int(batch)) is not None
 took = time.perf_counter() - t0
 log = ds._markers(lineage)
-print(json.dumps({"s": took, "decided": decided, "read": log.records_read,
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+# VmHWM: this process's own peak (ru_maxrss would carry the parent's peak across fork + exec)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"s": took, "decided": decided, "read": log.records_read, "rss_mb": hwm / 1024}))
 """
 
 
