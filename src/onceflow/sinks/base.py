@@ -442,6 +442,11 @@ class Sink(ABC):
         depends on the session decides it here)."""
         return self
 
+    def prepare(self, df: Any) -> Any:
+        """The stream as this sink writes it (the runner calls it before checking the schema):
+        ``df`` itself unless the sink derives a column, such as an upsert's delete flag."""
+        return df
+
     def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],
                       overwrite: bool) -> Any:
         """The query's ``DataStreamWriter`` before the runner sets checkpoint location, output

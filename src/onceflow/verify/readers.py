@@ -15,6 +15,7 @@ Each reader returns a table ``(id int64, payload string, checksum int64)``.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import uuid
@@ -61,10 +62,23 @@ def _delta_orphans(spec: VerifySpec) -> list[str]:
     return delta_dangling(spec.table)
 
 
+def _removed(table: str) -> set[str]:
+    """Paths of the remove actions in the table's JSON log entries."""
+    out: set[str] = set()
+    log_dir = os.path.join(table, "_delta_log")
+    for name in os.listdir(log_dir) if os.path.isdir(log_dir) else ():
+        if name.endswith(".json"):
+            with open(os.path.join(log_dir, name)) as f:
+                out |= {unquote(a["remove"]["path"]) for a in map(json.loads, f) if "remove" in a}
+    return out
+
+
 def delta_dangling(table: str) -> list[str]:
     """What a local Delta table directory holds that no log entry adds: Parquet files the log
     does not list, and directories (the JVM write path's per-attempt directories, possibly
-    half-written) none of whose files the log lists, named with a trailing ``/``."""
+    half-written) none of whose files the log lists, named with a trailing ``/``. Files that a
+    later version removed (an upsert's MERGE rewrites files) are the log's, kept for time
+    travel until a VACUUM: not dangling."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -74,7 +88,7 @@ def delta_dangling(table: str) -> list[str]:
         adds = pa.table(DeltaTable(table).get_add_actions(flatten=True)).column("path").to_pylist()
     except TableNotFoundError:
         adds = []
-    live = {unquote(p) for p in adds}  # the log's paths are URIs (partition directories escape)
+    live = {unquote(p) for p in adds} | _removed(table)  # the log's paths are URIs (escaped)
     live_dirs = {p.split("/", 1)[0] for p in live if "/" in p}
     out = []
     for name in os.listdir(table):
