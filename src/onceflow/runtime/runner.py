@@ -16,7 +16,6 @@ start, restart and stop is appended to the event log.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -80,13 +79,8 @@ def jvm_alive(spark) -> bool:
 
 
 def ensure_lineage(ckpt: CheckpointDir) -> str:
-    """The checkpoint's lineage; for a new checkpoint, write Spark's ``metadata`` first (the
-    query id Spark then adopts), so the sink can be opened for it before the query starts."""
-    if not ckpt.exists():
-        ckpt.fs.makedirs(ckpt.path, exist_ok=True)
-        with ckpt.fs.open(ckpt._p("metadata"), "w") as f:
-            f.write(json.dumps({"id": str(uuid.uuid4())}, separators=(",", ":")))
-    return ckpt.read_lineage()
+    """:meth:`CheckpointDir.ensure_lineage`."""
+    return ckpt.ensure_lineage()
 
 
 def check_checkpoint_dir(checkpoint: CheckpointDir | str, stop: threading.Event | None = None) -> None:

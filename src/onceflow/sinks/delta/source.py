@@ -315,6 +315,8 @@ class DeltaDataSource(DeltaTableAccess):
                 self._remember(decision)
                 return
             except CommitFailedError:
+                log.debug("onceflow-delta: batch %d lost a commit race on %s; read again", decision.batch_id,
+                          self.table_url)
                 continue
             except OnceflowError:
                 raise
