@@ -131,7 +131,7 @@ class JobRunner:
     """Runs one Job until its source is exhausted, a stop is requested, or restarts run out."""
 
     def __init__(self, job: JobSpec, spark=None, stop: threading.Event | None = None, restore=None,
-                 takeover: bool = False, checkpoint: CheckpointDir | None = None):
+                 takeover: bool | int = False, checkpoint: CheckpointDir | None = None):
         self.job = job
         self.takeover = takeover
         self.ran = False
