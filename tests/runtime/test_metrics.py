@@ -1,16 +1,28 @@
-"""``onceflow run --metrics-port``: Prometheus metrics with Flink's names, from a live driver;
-the same run checks ``--master``/``--conf`` over the job's own settings and the Spark UI's default."""
+"""``onceflow run --metrics-port``: Prometheus metrics of a live driver, scraped by a real
+Prometheus server; the in-memory figures (no event-log read per scrape), failed batches,
+freshness, source lag, state size on the checkpoint, and the shipped alerting rules. The
+driver run also checks ``--master``/``--conf`` over the job's own settings."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+import urllib.parse
 import urllib.request
+from pathlib import Path
+
+import pytest
+
+from onceflow.checkpoint.eventlog import EventLog
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
 
 JOB = textwrap.dedent(
     """
@@ -24,7 +36,7 @@ JOB = textwrap.dedent(
                        "shuffle": spark.conf.get("spark.sql.shuffle.partitions"),
                        "tz": spark.conf.get("spark.sql.session.timeZone")}, f)
         return (spark.readStream.format("onceflow-sequence").option("total", 20000)
-                .option("rows_per_second", 2000).option("max_rows_per_batch", 1000).load())
+                .option("rows_per_second", 1000).option("max_rows_per_batch", 1000).load())
 
     job = Job(name="metered", source=source, sink=DeltaSink(os.environ["WORK"] + "/table"),
               checkpoint=CheckpointConfig(os.environ["WORK"] + "/ckpt", interval=0),
@@ -40,43 +52,108 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _scrape_text(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
 def _scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    """Samples by name (labels dropped: the last sample of a name wins)."""
     out = {}
-    for line in text.splitlines():
-        if line.startswith("onceflow_job_"):
+    for line in _scrape_text(port).splitlines():
+        if line.startswith("onceflow_"):
             name, value = line.rsplit(" ", 1)
             out[name.split("{")[0]] = float(value)
     return out
 
 
-def test_the_active_driver_serves_flink_named_metrics_and_the_command_line_wins(tmp_path):
+def _types(text: str) -> dict[str, str]:
+    return {ln.split()[2]: ln.split()[3] for ln in text.splitlines() if ln.startswith("# TYPE ")}
+
+
+def _prometheus_binary() -> str:
+    found = shutil.which("prometheus")
+    if not found or not shutil.which("promtool"):
+        pytest.fail("prometheus/promtool not installed (Debian package 'prometheus'): run ./setup.sh test")
+    return found
+
+
+def _query(prom: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.loads(urllib.request.urlopen(url, timeout=5).read())
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def _start_prometheus(tmp_path: Path, target_port: int) -> tuple[subprocess.Popen, int]:
+    prom_port = _free_port()
+    (tmp_path / "prometheus.yml").write_text(textwrap.dedent(f"""
+        global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+        rule_files: [{DEPLOY / 'alerts.yml'}]
+        scrape_configs:
+          - job_name: onceflow
+            static_configs: [{{targets: ['127.0.0.1:{target_port}']}}]
+        """))
+    proc = subprocess.Popen(
+        [_prometheus_binary(), f"--config.file={tmp_path / 'prometheus.yml'}",
+         f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "prometheus.log", "w"))
+    return proc, prom_port
+
+
+def test_a_real_prometheus_scrapes_the_active_driver_and_the_command_line_wins(tmp_path):
+    """A real job (onceflow-sequence -> Delta, ``onceflow run --metrics-port``) scraped every
+    second by a real Prometheus server loaded with deploy/alerts.yml; its HTTP API must see the
+    new metric names with sane values while the job runs. Old code: no onceflow_batches_total,
+    onceflow_last_commit_age_seconds, ... (only Flink's camelCase gauges)."""
     (tmp_path / "job.py").write_text(JOB)
     port = _free_port()
+    prom, prom_port = _start_prometheus(tmp_path, port)
     env = {k: v for k, v in os.environ.items() if k != "ONCEFLOW_SPARK_CONF"}  # the user's default: UI on
     env["WORK"] = str(tmp_path)
     sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", "--metrics-port", str(port),
                             "--master", "local[1]", "--conf", "spark.ui.port=4077",
                             "--conf", "spark.sql.shuffle.partitions=3", str(tmp_path / "job.py")],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen: dict[str, float] = {}
     try:
         deadline, m = time.monotonic() + 180, {}
         while time.monotonic() < deadline:
-            assert sup.poll() is None, sup.communicate()
+            assert sup.poll() is None, f"job ended: scraped {m}; Prometheus saw {seen}; {sup.communicate()[1][-2000:]}"
+            assert prom.poll() is None, (tmp_path / "prometheus.log").read_text()[-2000:]
             try:
                 m = _scrape(port)
+                seen = {r["metric"]["__name__"]: float(r["value"][1]) for r in _query(
+                    prom_port, '{__name__=~"onceflow_(batches|records_out|batches_failed|lease_lost)_total'
+                               '|onceflow_last_commit_age_seconds|onceflow_uptime_seconds'
+                               '|onceflow_batch_duration_seconds_count|onceflow_commit_duration_seconds_count"}')}
             except OSError:
-                m = {}
-            if m.get("onceflow_job_numberOfCompletedCheckpoints", 0) >= 3 and m.get("onceflow_job_numRecordsOut_total", 0) > 0:
+                pass
+            if (m.get("onceflow_job_numberOfCompletedCheckpoints", 0) >= 3 and m.get("onceflow_records_out_total", 0) > 0
+                    and seen.get("onceflow_batches_total", 0) >= 3 and seen.get("onceflow_commit_duration_seconds_count", 0) > 0):
                 break
             time.sleep(0.5)
         else:
-            raise AssertionError(f"no committed batches in the metrics: {m}")
+            raise AssertionError(f"no committed batches in the metrics: {m}; Prometheus saw {seen}")
+        text = _scrape_text(port)
+        ups = _query(prom_port, 'up{job="onceflow"}')
     finally:
         sup.terminate()
         sup.communicate(timeout=120)
-    # Both counted; In can trail Out by the last batch (the driver records a batch's progress
-    # a moment after the sink committed it), so the two are compared in the next test.
+        prom.terminate()
+        prom.wait(timeout=30)
+    # What Prometheus stored from its scrapes: sane values, with the job's name as job_name
+    assert ups and ups[0]["value"][1] == "1", ups
+    assert seen["onceflow_batches_total"] >= 3 and seen["onceflow_records_out_total"] > 0
+    assert seen["onceflow_batch_duration_seconds_count"] >= 3, seen
+    assert 0 <= seen["onceflow_last_commit_age_seconds"] < 30, seen
+    assert seen["onceflow_batches_failed_total"] == 0 and seen["onceflow_lease_lost_total"] == 0
+    assert 0 < seen["onceflow_uptime_seconds"] < 300
+    types = _types(text)
+    assert types["onceflow_batches_total"] == "counter" and types["onceflow_records_in_total"] == "counter"
+    assert types["onceflow_batch_duration_seconds"] == "histogram", types
+    assert types["onceflow_commit_duration_seconds"] == "histogram"
+    assert 'job_name="metered"' in text
+    # Flink's names stay (docs/metrics.md maps them); In can trail Out by the last batch
     assert m["onceflow_job_numRecordsIn_total"] > 0 and m["onceflow_job_numRecordsOut_total"] > 0
     assert m["onceflow_job_uptime"] > 0 and m["onceflow_job_numRestarts"] == 0
     assert m["onceflow_job_lastCheckpointDuration"] > 0
@@ -91,24 +168,230 @@ def test_the_active_driver_serves_flink_named_metrics_and_the_command_line_wins(
     assert session["ui"] and ":40" in session["ui"], session  # the UI is on, at 4077 or the next free port
 
 
-def test_replays_restarts_and_a_half_written_line_are_counted_right(tmp_path):
-    from onceflow.checkpoint.eventlog import EventLog
-    from onceflow.runtime.metrics import EventLogCollector
+def test_the_shipped_alerting_rules_load_and_pass_their_unit_tests():
+    """deploy/alerts.yml (no commit, restarts increasing, lease lost...) is valid and its
+    promtool unit tests pass. Old code: no deploy/ folder."""
+    _prometheus_binary()
+    check = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "alerts.yml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    for alert in ("OnceflowNoCommit", "OnceflowRestarting", "OnceflowLeaseLost"):
+        assert alert in (DEPLOY / "alerts.yml").read_text()
+    unit = subprocess.run(["promtool", "test", "rules", str(DEPLOY / "alerts_test.yml")],
+                          capture_output=True, text=True, timeout=60)
+    assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
+
+
+def test_the_grafana_dashboard_uses_only_exported_metrics():
+    """deploy/grafana-onceflow.json: valid JSON whose panels query metrics the collector
+    exports (throughput, commit age, lag, durations, restarts, state size)."""
+    import re
+
+    dash = json.loads((DEPLOY / "grafana-onceflow.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    names = {n for e in exprs for n in re.findall(r"onceflow_[a-z_]+", e)}
+    exported = {"onceflow_batches_total", "onceflow_batches_failed_total", "onceflow_restarts_total",
+                "onceflow_lease_lost_total", "onceflow_records_in_total", "onceflow_records_out_total",
+                "onceflow_replayed_batches_skipped_total", "onceflow_replayed_records_skipped_total",
+                "onceflow_last_commit_age_seconds", "onceflow_last_batch_id", "onceflow_uptime_seconds",
+                "onceflow_source_lag_records", "onceflow_state_checkpoint_bytes", "onceflow_state_rows",
+                "onceflow_state_memory_bytes", "onceflow_last_commit_timestamp_seconds"}
+    exported |= {f"onceflow_{h}_duration_seconds_{s}" for h in ("batch", "commit") for s in ("bucket", "sum", "count")}
+    assert names and names <= exported, names - exported
+    for wanted in ("onceflow_records_out_total", "onceflow_last_commit_age_seconds", "onceflow_source_lag_records",
+                   "onceflow_batch_duration_seconds_bucket", "onceflow_commit_duration_seconds_bucket",
+                   "onceflow_restarts_total", "onceflow_state_checkpoint_bytes"):
+        assert wanted in names, wanted
+
+
+# ---- in-memory figures from events (no Spark) ----------------------------------------------
+
+
+def _history(ckpt: str) -> EventLog:
+    """An event log as other processes leave it: an earlier driver, the supervisor, the sink's
+    commit process (pids other than this test's)."""
+    log = EventLog(ckpt)
+    other = {"pid": 1}
+    log.append("batch", batch=0, input_rows=100, duration_ms=50, state_bytes=7, **other)
+    log.append("sink_commit", batch=0, rows=100, replay=False, commit_s=0.02, **other)
+    log.append("restart", cause="killed by SIGKILL", scope="process", **other)  # a driver crash while idle
+    log.append("batch", batch=0, input_rows=100, duration_ms=40, **other)  # the replay
+    log.append("sink_commit", batch=0, rows=0, replay=True, commit_s=0.01, **other)
+    log.append("failed", cause="lease taken", error="LeaseLost", **other)
+    return log
+
+
+def test_failed_batches_are_batches_that_failed_not_restarts(tmp_path):
+    """Old code: numberOfFailedCheckpoints counted every restart (1 here: a driver process
+    killed while idle) and there was no onceflow_batches_failed_total."""
+    from onceflow.runtime.metrics import serve
 
     ckpt = str(tmp_path / "ckpt")
-    log = EventLog(ckpt)
-    log.append("batch", batch=0, input_rows=100, duration_ms=50, state_bytes=7)
-    log.append("sink_commit", batch=0, rows=100, replay=False)
-    log.append("restart", cause="killed by SIGKILL", scope="process")
-    log.append("batch", batch=0, input_rows=100, duration_ms=40, state_bytes=9)  # the replay
-    log.append("sink_commit", batch=0, rows=0, replay=True)
-    c = EventLogCollector(ckpt, "j")
+    log = _history(ckpt)
+    port = _free_port()
+    serve(port, ckpt, "j", started=time.time() - 5)
+    deadline = time.monotonic() + 10
+    while _scrape(port).get("onceflow_job_numRestarts", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    m = _scrape(port)
+    assert m["onceflow_job_numRestarts"] == 1 and m["onceflow_job_numberOfFailedCheckpoints"] == 0
+    assert m["onceflow_batches_failed_total"] == 0
+    log.append("batch_failed", batch=1, cause="boom", pid=1)
+    log.append("restart", cause="boom", scope="query", pid=1)
+    time.sleep(0.1)
+    from onceflow.runtime import metrics as mod
+
+    next(f for u, (_, f) in mod._SERVED.items() if u.endswith(str(tmp_path / "ckpt"))).wake()
+    while _scrape(port).get("onceflow_batches_failed_total", 0) < 1 and time.monotonic() < deadline + 10:
+        time.sleep(0.1)
+    text = _scrape_text(port)
+    assert 'onceflow_restarts_total{job_name="j",scope="process"} 1.0' in text
+    assert 'onceflow_restarts_total{job_name="j",scope="query"} 1.0' in text
+    m = _scrape(port)
+    assert m["onceflow_batches_failed_total"] == 1 and m["onceflow_job_numberOfFailedCheckpoints"] == 1
+    assert m["onceflow_lease_lost_total"] == 1
+
+
+def test_a_scrape_reads_memory_only_and_the_drivers_own_events_count_at_once(tmp_path, monkeypatch):
+    """Old code tailed the event log at every scrape (a listing per scrape on object stores)."""
+    from onceflow.runtime import metrics
+
+    ckpt = str(tmp_path / "ckpt")
+    _history(ckpt)
+    port = _free_port()
+    jm = metrics.serve(port, ckpt, "j")
+    follower = next(f for u, (_, f) in metrics._SERVED.items() if u.endswith(str(tmp_path / "ckpt")))
+    deadline = time.monotonic() + 10
+    while follower.tails < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reads = []  # reads of the log outside the follower's thread (which tails after batches)
+
+    def counted(name, real):
+        def read(self, *a, **k):
+            import threading
+
+            if threading.current_thread().name != "onceflow-metrics-follower":
+                reads.append(name)
+            return real(self, *a, **k)
+        return read
+
+    for name in ("tail", "read", "_lines_from", "_names", "size"):
+        monkeypatch.setattr(EventLog, name, counted(name, getattr(EventLog, name)))
+    for _ in range(20):
+        _scrape_text(port)
+    assert reads == [], reads
+    # The runner's own appends (through metrics.event_log) count at once, without a read
+    log = metrics.event_log(ckpt)
+    assert isinstance(log, metrics.ObservedEventLog)
+    t0 = time.time()
+    log.append("batch", batch=1, input_rows=10, duration_ms=1500,
+               lag={"orders": {"0": 5, "1": 0}},
+               state=[{"id": 0, "name": "dedupe", "rows": 2000, "memory_bytes": 4_202_880,
+                       "checkpoint_bytes": 123_456}], state_bytes=123_456, state_batch=1)
+    reads.clear()
+    text = _scrape_text(port)
+    assert reads == [] and jm.batches == 3 and jm.records_in == 210
+    assert 'onceflow_source_lag_records{job_name="j",partition="0",topic="orders"} 5.0' in text
+    assert 'onceflow_state_checkpoint_bytes{job_name="j",name="dedupe",operator="0"} 123456.0' in text
+    assert 'onceflow_state_rows{job_name="j",name="dedupe",operator="0"} 2000.0' in text
+    assert 'onceflow_batch_duration_seconds_bucket{job_name="j",le="2.5"} 3.0' in text
+    assert 'onceflow_batch_duration_seconds_bucket{job_name="j",le="1.0"} 2.0' in text
+    assert 'onceflow_commit_duration_seconds_count{job_name="j"} 2.0' in text
+    m = _scrape(port)
+    assert m["onceflow_job_lastCheckpointSize"] == 123_456
+    assert m["onceflow_last_commit_age_seconds"] <= time.time() - t0 + 0.5
+    assert m["onceflow_records_out_total"] == 100 and m["onceflow_replayed_batches_skipped_total"] == 1
+    assert m["onceflow_replayed_records_skipped_total"] == 100
+    time.sleep(1.0)  # the age is computed at scrape time
+    assert _scrape(port)["onceflow_last_commit_age_seconds"] >= 1.0
+
+
+def test_a_half_written_line_is_read_once_complete(tmp_path):
+    from onceflow.runtime.metrics import Follower, JobMetrics
+
+    ckpt = str(tmp_path / "ckpt")
+    log = _history(ckpt)
+    jm = JobMetrics("j", started=time.time())
+    follower = Follower(EventLog(ckpt), jm)
     with open(log.path, "a") as f:
-        f.write('{"ts": 1, "event": "batch", "batch": 1, "input_rows": 5')  # still being written
-    c.update()
-    assert (c.completed, c.restarts, c.failed, c.records_in, c.records_out) == (2, 1, 1, 200, 100)
-    assert (c.replay_batches, c.replay_records, c.last_duration_ms, c.last_state_bytes) == (1, 100, 40, 9)
+        f.write('{"ts": 1, "pid": 1, "event": "batch", "batch": 1, "input_rows": 5')  # still being written
+    follower.step()
+    assert (jm.batches, sum(jm.restarts.values()), jm.batches_failed, jm.records_in, jm.records_out) == (2, 1, 0, 200, 100)
+    assert (jm.replay_batches, jm.replay_records, jm.last_duration_ms) == (1, 100, 40)
     with open(log.path, "a") as f:
         f.write(', "duration_ms": 30}\n')
-    c.update()
-    assert (c.completed, c.records_in, c.last_duration_ms) == (3, 205, 30)
+    follower.step()
+    assert (jm.batches, jm.records_in, jm.last_duration_ms) == (3, 205, 30)
+
+
+def test_source_lag_per_topic_and_partition_from_spark_progress():
+    """Kafka-shaped offsets: latest (reported when the batch was planned) minus its end."""
+    from onceflow.runtime.metrics import source_lag, state_operators
+
+    progress = {"sources": [
+        {"endOffset": '{"orders": {"0": 10, "1": 7}}', "latestOffset": '{"orders": {"0": 25, "1": 7}}'},
+        {"endOffset": '{"next": 100}', "latestOffset": '{"next": 150}'},  # not per partition: no lag
+        {"endOffset": '{"shards": "x"}', "latestOffset": None},
+    ], "stateOperators": [{"operatorName": "dedupe", "numRowsTotal": 3, "memoryUsedBytes": 99}]}
+    assert source_lag(progress) == {"orders": {"0": 15, "1": 0}}
+    assert source_lag({"sources": [{"endOffset": '{"next": 1}', "latestOffset": '{"next": 2}'}]}) is None
+    assert state_operators(progress) == [{"id": 0, "name": "dedupe", "rows": 3, "memory_bytes": 99}]
+
+
+# ---- state size on the checkpoint and failed batches (real Spark, in this process) ---------
+
+
+def test_state_size_is_the_checkpoints_bytes_per_operator_and_a_failed_batch_is_logged(spark, tmp_path, monkeypatch):
+    """A deduplication keeping 2,000 keys, then one keeping 20,000 (whose batch 0 fails once
+    in the sink's commit). Old code: the batch events' state_bytes was Spark's in-memory
+    estimate (the same 4,202,880 for both), nothing logged the failed batch (it only counted
+    as a restart), and ``onceflow checkpoints`` had no size per operator."""
+    from click.testing import CliRunner
+
+    from onceflow.checkpoint.layout import CheckpointDir
+    from onceflow.cli.main import main
+    from onceflow.job import CheckpointConfig, Job
+    from onceflow.runtime.metrics import checkpoint_state_bytes
+    from onceflow.runtime.restart import fixed_delay
+    from onceflow.sinks.delta import DeltaSink
+
+    class CrashingDeltaSink(DeltaSink):
+        def __init__(self, path, rule, markers):
+            super().__init__(path)
+            self.rule, self.markers = rule, markers
+
+        def options(self):
+            return {**super().options(), "test_crash_at": self.rule, "test_crash_markers": self.markers}
+
+    monkeypatch.setenv("ONCEFLOW_STATE_SIZE_EVERY_S", "0")
+    (tmp_path / "m").mkdir()
+    last = {}
+    for keys in (2000, 20000):
+        ckpt, table = str(tmp_path / f"ckpt{keys}"), str(tmp_path / f"t{keys}")
+        sink = DeltaSink(table) if keys == 2000 else CrashingDeltaSink(table, "before_decide@0:raise", str(tmp_path / "m"))
+        Job(name=f"dedupe{keys}",
+            source=lambda spark, k=keys: (spark.readStream.format("onceflow-sequence").option("total", 20000)
+                                          .option("keys", k).option("rows_per_second", 10**9)
+                                          .option("max_rows_per_batch", 20000).load()),
+            transform=lambda df: df.dropDuplicates(["key"]), sink=sink,
+            checkpoint=CheckpointConfig(ckpt, interval=0), restart_strategy=fixed_delay(attempts=1, delay=0),
+            stop_when_idle=1.0).run(spark=spark)
+        events = list(EventLog(ckpt).read())
+        batch = [e for e in events if e["event"] == "batch"][-1]
+        assert batch["batch"] >= 0 and batch["state_batch"] == batch["batch"], batch
+        (op,) = batch["state"]
+        assert op["rows"] == keys and op["id"] == 0, op
+        on_ckpt = checkpoint_state_bytes(CheckpointDir(ckpt), batch["batch"])
+        assert batch["state_bytes"] == op["checkpoint_bytes"] == on_ckpt[0] > 0, (batch, on_ckpt)
+        last[keys] = batch["state_bytes"]
+        failed = [e for e in events if e["event"] == "batch_failed"]
+        restarts = [e for e in events if e["event"] == "restart"]
+        if keys == 2000:
+            assert failed == [] and restarts == []
+        else:
+            assert [e["batch"] for e in failed] == [0] and len(restarts) == 1, failed
+            assert failed[0]["cause"] == restarts[0]["cause"], (failed, restarts)
+        out = CliRunner().invoke(main, ["checkpoints", ckpt])
+        assert out.exit_code == 0, out.output
+        assert f"{on_ckpt[0]:,} bytes on the checkpoint, {keys:,} keys" in out.output, out.output
+    assert last[20000] > 5 * last[2000], last

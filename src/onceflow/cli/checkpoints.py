@@ -43,7 +43,7 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool, chart: str | Non
         click.echo(f"no batches in {checkpoint_dir}")
         return
     table = Table("batch", "status", "time", "duration", "input rows", "offsets", "state rows",
-                  "state bytes", "sink commit", title=f"checkpoint {checkpoint_dir}")
+                  "state bytes (checkpoint)", "sink commit", title=f"checkpoint {checkpoint_dir}")
     for r in rows:
         commit = "" if r.sink_commit_s is None else f"{r.sink_commit_s:.3f}s"
         if r.replays:
@@ -58,8 +58,32 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool, chart: str | Non
         )
     console = Console(width=200)
     console.print(table)
+    for line in _state_lines(checkpoint_dir, events):
+        console.print(line)
     if recent:
         console.print(restart_table(recent))
+
+
+def _state_lines(checkpoint_dir: str, events: list[dict]) -> list[str]:
+    """Per stateful operator: bytes on the checkpoint for the last committed batch (the files
+    Spark loads; listed now) and keys as the last batch's progress reported them."""
+    from onceflow.checkpoint.layout import CheckpointDir
+    from onceflow.runtime.metrics import checkpoint_state_bytes
+
+    ckpt = CheckpointDir(checkpoint_dir)
+    try:
+        batch = ckpt.last_committed()
+        sizes = checkpoint_state_bytes(ckpt, batch) if batch is not None else {}
+    except Exception as e:  # noqa: BLE001 - the table above is still worth showing
+        return [f"state size: not measured ({e})"]
+    ops = {}
+    for e in events:
+        if e.get("event") == "batch" and e.get("state"):
+            ops = {int(o.get("id", 0)): o for o in e["state"]}
+    return [f"state after batch {batch}, operator {op} ({ops.get(op, {}).get('name') or '?'}): "
+            f"{n:,} bytes on the checkpoint, {ops[op]['rows']:,} keys" if op in ops and ops[op].get("rows") is not None
+            else f"state after batch {batch}, operator {op}: {n:,} bytes on the checkpoint"
+            for op, n in sorted(sizes.items())]
 
 
 def _chart(rows: list, events: list[dict], path: str, title: str) -> int:

@@ -38,7 +38,7 @@ from onceflow.errors import (
     OnceflowError,
 )
 from onceflow.outages import Stopped, short, wait_out
-from onceflow.runtime import scratch
+from onceflow.runtime import metrics, scratch
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
 from onceflow.savepoint.operations import stop_requested
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
@@ -140,7 +140,9 @@ class JobRunner:
         self.stop = stop or threading.Event()
         self.ckpt = checkpoint or CheckpointDir(job.checkpoint.directory)
         self.url = self.ckpt.url
-        self.events = EventLog(self.ckpt)
+        self.events: EventLog = metrics.event_log(self.ckpt)  # feeds the served metrics, if any
+        self._state_size = metrics.StateSize(self.ckpt)
+        self._query_started = False
         self._restored_now, self._attempt = False, 0  # for context(), set again by run()
 
     # ---- public ------------------------------------------------------------------------
@@ -202,6 +204,7 @@ class JobRunner:
                     return
                 except Exception as e:  # a failed query or an outage: restart strategy decides
                     error = e if isinstance(e, OnceflowError) else onceflow_error_in(str(e))
+                    self._log_failed_batch(e, error)
                     if not jvm_alive(spark):
                         self.events.append("failed", cause="the Spark JVM died")
                         raise JvmDied("the driver's Spark JVM died (OOM killer?); the process must "
@@ -238,6 +241,21 @@ class JobRunner:
                         self.events.append("stop", job=job.name, reason="stopped")
                         return
                     started = time.time()
+
+    def _log_failed_batch(self, e: Exception, error: OnceflowError | None) -> None:
+        """A ``batch_failed`` event when the query failed with a batch in flight (planned in
+        ``offsets/`` and not committed): what Flink counts as a failed checkpoint. Failures
+        before the query ran (sink unreachable while opening...) are not batch failures."""
+        if not self._query_started:
+            return
+        self._query_started = False
+        try:
+            planned, done = self.ckpt.offset_batches(), self.ckpt.last_committed()
+        except (OSError, OnceflowError):
+            return
+        if planned and (done is None or planned[-1] > done):
+            cause = str(error) if error is not None else _short_cause(str(e))
+            self.events.append("batch_failed", batch=planned[-1], cause=cause[:300])
 
     def _waiting(self) -> str:
         """What a restart leaves waiting: the batch planned but not committed, if any."""
@@ -320,6 +338,7 @@ class JobRunner:
                            open_s=round(t2 - t1, 3))
         with query_conf(spark, self.url):
             query = writer.option("epoch", str(epoch)).start()
+        self._query_started = True
         self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
                         "query_start_s": round(time.time() - t2, 3)}
         try:
@@ -406,9 +425,26 @@ class JobRunner:
                 rows_per_s=round(p.processedRowsPerSecond or 0.0, 1),
                 offsets=[s.endOffset for s in p.sources],
                 state_rows=sum(o.numRowsTotal for o in p.stateOperators),
-                state_bytes=sum(o.memoryUsedBytes for o in p.stateOperators),
+                **self._state_and_lag(p),
             )
         return seen, new
+
+    def _state_and_lag(self, p) -> dict:
+        """The batch event's ``lag`` (per topic and partition, where the source reports its
+        latest offsets) and ``state`` per operator: keys, in-memory estimate and bytes on the
+        checkpoint (``state_bytes``: all operators; measured at most every N seconds, for the
+        batch named in ``state_batch``)."""
+        out: dict = {}
+        lag = metrics.source_lag(p)
+        if lag:
+            out["lag"] = lag
+        ops = metrics.state_operators(p)
+        if ops:
+            measured, on_ckpt = self._state_size.after(p.batchId)
+            for op in ops:
+                op["checkpoint_bytes"] = on_ckpt.get(op["id"])
+            out.update(state=ops, state_bytes=sum(on_ckpt.values()), state_batch=measured)
+        return out
 
 
 def _first_batch_phases(query, batch: int) -> dict[str, float]:

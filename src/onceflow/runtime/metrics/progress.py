@@ -1,0 +1,112 @@
+"""Figures the driver derives per batch: source lag and state per operator from Spark's progress
+report, and the state's true size on the checkpoint (cached: listed at most every N seconds)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from onceflow.checkpoint.layout import CheckpointDir
+
+log = logging.getLogger("onceflow.metrics")
+
+#: seconds between two listings of the checkpoint's state files (0: after every batch)
+STATE_SIZE_ENV = "ONCEFLOW_STATE_SIZE_EVERY_S"
+STATE_SIZE_EVERY_S = 30.0
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _offsets(value: Any) -> dict | None:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def source_lag(progress: Any) -> dict[str, dict[str, int]] | None:
+    """Records behind per topic and partition: the source's latest offsets (Spark's
+    ``reportLatestOffset``, asked when the batch was planned) minus where the batch ended, for
+    sources whose offsets are ``{topic: {partition: offset}}`` (onceflow's and Spark's Kafka
+    sources). None when no source reports them (Kinesis positions are sequence numbers)."""
+    out: dict[str, dict[str, int]] = {}
+    for s in _get(progress, "sources") or []:
+        end, latest = _offsets(_get(s, "endOffset")), _offsets(_get(s, "latestOffset"))
+        if not end or not latest:
+            continue
+        for topic, parts in latest.items():
+            if not isinstance(parts, dict):
+                continue
+            for p, hi in parts.items():
+                lo = (end.get(topic) or {}).get(p) if isinstance(end.get(topic), dict) else None
+                if isinstance(hi, int) and isinstance(lo, int) and hi >= 0 and lo >= 0:
+                    out.setdefault(str(topic), {})[str(p)] = max(0, hi - lo)
+    return out or None
+
+
+def state_operators(progress: Any) -> list[dict]:
+    """Per stateful operator (its id is its position, as in ``state/<id>``): name, keys
+    (``numRowsTotal``) and the store's in-memory estimate (``memoryUsedBytes``: the loaded
+    versions' maps, not the state's size)."""
+    return [{"id": i, "name": _get(o, "operatorName") or "", "rows": int(_get(o, "numRowsTotal") or 0),
+             "memory_bytes": int(_get(o, "memoryUsedBytes") or 0)}
+            for i, o in enumerate(_get(progress, "stateOperators") or [])]
+
+
+def checkpoint_state_bytes(ckpt: CheckpointDir, batch: int) -> dict[int, int]:
+    """Bytes on the checkpoint per stateful operator for the state after ``batch`` (version
+    ``batch + 1``): exactly the files Spark reads to load that version (the newest snapshot and
+    the deltas or changelogs after it; for RocksDB the SST files its zip references), as a
+    savepoint of that batch would copy them. Empty when the query has no state."""
+    from onceflow.savepoint.create import select_files
+
+    state_root = ckpt._p("state")
+    try:
+        found = ckpt.fs.find(state_root, detail=True)
+    except FileNotFoundError:
+        return {}
+    if not found:
+        return {}
+    root = ckpt.path.rstrip("/")
+    sizes = {p[len(root) + 1:]: int(info.get("size") or 0) for p, info in found.items() if p.startswith(root + "/")}
+    out: dict[int, int] = {}
+    for rel in select_files(ckpt, batch):
+        bits = rel.split("/")
+        if bits[0] != "state" or len(bits) < 4 or not bits[1].isdigit() or not bits[2].isdigit():
+            continue  # operator metadata (state/<op>/_metadata), not state
+        out[int(bits[1])] = out.get(int(bits[1]), 0) + sizes.get(rel, 0)
+    return out
+
+
+class StateSize:
+    """:func:`checkpoint_state_bytes` of the newest batch, listed at most every ``every_s``."""
+
+    def __init__(self, ckpt: CheckpointDir, every_s: float | None = None):
+        self.ckpt = ckpt
+        self.every_s = float(os.environ.get(STATE_SIZE_ENV, STATE_SIZE_EVERY_S)) if every_s is None else every_s
+        self._at = -1e18
+        self._lock = threading.Lock()
+        self.batch: int | None = None
+        self.bytes: dict[int, int] = {}
+
+    def after(self, batch: int) -> tuple[int | None, dict[int, int]]:
+        """The (measured batch, bytes per operator): measured again for ``batch`` when due."""
+        with self._lock:
+            if time.monotonic() - self._at >= self.every_s:
+                self._at = time.monotonic()
+                try:
+                    self.bytes, self.batch = checkpoint_state_bytes(self.ckpt, batch), batch
+                except Exception as e:  # noqa: BLE001 - a figure for humans: keep the last one
+                    log.debug("state size of %s after batch %d: %s", self.ckpt.url, batch, e)
+            return self.batch, dict(self.bytes)
