@@ -27,6 +27,8 @@ if [ "$want_test" = test ]; then
   [ -x /usr/lib/postgresql/15/bin/initdb ] || need_apt postgresql-15
   # libfaketime: the lease tests run processes whose wall clocks are minutes off.
   command -v faketime >/dev/null || need_apt faketime
+  # prometheus + promtool: tests/runtime/test_metrics.py scrapes a job and checks deploy/alerts.yml.
+  command -v promtool >/dev/null || need_apt prometheus
   # PostgreSQL refuses to run as root: the test clusters run as the 'postgres' OS user.
   if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
     useradd --system --no-create-home --shell /usr/sbin/nologin postgres

@@ -129,13 +129,19 @@ def test_a_real_prometheus_scrapes_the_active_driver_and_the_command_line_wins(t
             except OSError:
                 pass
             if (m.get("onceflow_job_numberOfCompletedCheckpoints", 0) >= 3 and m.get("onceflow_records_out_total", 0) > 0
-                    and seen.get("onceflow_batches_total", 0) >= 3 and seen.get("onceflow_commit_duration_seconds_count", 0) > 0):
+                    and seen.get("onceflow_batches_total", 0) >= 3 and seen.get("onceflow_records_out_total", 0) > 0
+                    and seen.get("onceflow_commit_duration_seconds_count", 0) > 0):
                 break
             time.sleep(0.5)
         else:
             raise AssertionError(f"no committed batches in the metrics: {m}; Prometheus saw {seen}")
         text = _scrape_text(port)
         ups = _query(prom_port, 'up{job="onceflow"}')
+        # every dashboard query parses and runs on the stored data
+        dash = json.loads((DEPLOY / "grafana-onceflow.json").read_text())
+        for expr in (t["expr"] for p in dash["panels"] for t in p.get("targets", [])):
+            _query(prom_port, expr.replace("$__rate_interval", "1m").replace("$job_name", ".*"))
+        assert _query(prom_port, 'onceflow_batch_duration_seconds_bucket{le="+Inf"}')
     finally:
         sup.terminate()
         sup.communicate(timeout=120)
@@ -344,8 +350,9 @@ def test_source_lag_per_topic_and_partition_from_spark_progress():
 def test_state_size_is_the_checkpoints_bytes_per_operator_and_a_failed_batch_is_logged(spark, tmp_path, monkeypatch):
     """A deduplication keeping 2,000 keys, then one keeping 20,000 (whose batch 0 fails once
     in the sink's commit). Old code: the batch events' state_bytes was Spark's in-memory
-    estimate (the same 4,202,880 for both), nothing logged the failed batch (it only counted
-    as a restart), and ``onceflow checkpoints`` had no size per operator."""
+    estimate (373,760 and 3,297,216 bytes here; 11,503 and 102,953 on the checkpoint), with no
+    per-operator ``state``; nothing logged the failed batch (it only counted as a restart);
+    ``onceflow checkpoints`` had no size per operator."""
     from click.testing import CliRunner
 
     from onceflow.checkpoint.layout import CheckpointDir
