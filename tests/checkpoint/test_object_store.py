@@ -109,11 +109,11 @@ def test_event_log_one_object_per_event_concurrent_writers_read_and_tail(s3):
     assert sorted(e["event"] for e in new) == ["restart", "sink_commit"]
     assert log.tail(cursor)[0] == [] and list(log.read_from(cursor)) == []
 
-    from onceflow.runtime.metrics import EventLogCollector
+    from onceflow.runtime.metrics import Follower, JobMetrics
 
-    collector = EventLogCollector(ckpt, "job")
-    collector.update()
-    assert (collector.completed, collector.records_in, collector.restarts, collector.records_out) == (100, 1000, 1, 3)
+    metrics = JobMetrics("job")
+    Follower(EventLog(ckpt), metrics).step()  # the metrics' follower reads the event objects
+    assert (metrics.batches, metrics.records_in, sum(metrics.restarts.values()), metrics.records_out) == (100, 1000, 1, 3)
     from onceflow.checkpoint.history import batch_history
 
     history = {b.batch: b for b in batch_history(ckpt, limit=None)}

@@ -266,10 +266,9 @@ def test_a_scrape_reads_memory_only_and_the_drivers_own_events_count_at_once(tmp
     _history(ckpt)
     port = _free_port()
     jm = metrics.serve(port, ckpt, "j")
-    follower = next(f for u, (_, f) in metrics._SERVED.items() if u.endswith(str(tmp_path / "ckpt")))
     deadline = time.monotonic() + 10
-    while follower.tails < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while _scrape(port).get("onceflow_job_numRestarts", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the history is in (read once by the follower)
     reads = []  # reads of the log outside the follower's thread (which tails after batches)
 
     def counted(name, real):
@@ -402,3 +401,28 @@ def test_state_size_is_the_checkpoints_bytes_per_operator_and_a_failed_batch_is_
         assert out.exit_code == 0, out.output
         assert f"{on_ckpt[0]:,} bytes on the checkpoint, {keys:,} keys" in out.output, out.output
     assert last[20000] > 5 * last[2000], last
+
+
+def test_kafka_lag_per_partition_is_in_the_batch_events(spark, tmp_path):
+    """A Kafka job capped at 20 records per batch over partitions holding 30 and 10 records:
+    the first batch's event says how many records each partition still held (Spark's latest
+    offsets from the source minus the batch's end), the last one 0. Old code: no ``lag``."""
+    from kafka_broker import KafkaBroker, create_topic, produce
+    from onceflow.job import CheckpointConfig, Job
+    from onceflow.sinks.delta import DeltaSink
+    from onceflow.sources.kafka import KafkaSource
+
+    with KafkaBroker() as broker:
+        create_topic(broker.bootstrap, "lagging", 2)
+        produce(broker.bootstrap, "lagging", [f"a{i}" for i in range(30)], partition=0)
+        produce(broker.bootstrap, "lagging", [f"b{i}" for i in range(10)], partition=1)
+        source = KafkaSource(broker.bootstrap, topics="lagging", starting_offsets="earliest",
+                             max_offsets_per_trigger=20)
+        ckpt = str(tmp_path / "ckpt")
+        Job(name="lag", source=source.load, transform=lambda df: df.selectExpr("CAST(value AS STRING) AS v"),
+            sink=DeltaSink(str(tmp_path / "t")), checkpoint=CheckpointConfig(ckpt, interval=0),
+            stop_when_idle=1.0).run(spark=spark)
+    batches = [e for e in EventLog(ckpt).read() if e["event"] == "batch" and e["input_rows"]]
+    assert [b["input_rows"] for b in batches] == [20, 20], batches
+    assert batches[0]["lag"] == {"lagging": {"0": 15, "1": 5}}, batches[0]  # 20 split 30:10 -> 15 + 5
+    assert batches[-1]["lag"] == {"lagging": {"0": 0, "1": 0}}, batches[-1]
