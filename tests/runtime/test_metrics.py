@@ -426,3 +426,17 @@ def test_kafka_lag_per_partition_is_in_the_batch_events(spark, tmp_path):
     assert [b["input_rows"] for b in batches] == [20, 20], batches
     assert batches[0]["lag"] == {"lagging": {"0": 15, "1": 5}}, batches[0]  # 20 split 30:10 -> 15 + 5
     assert batches[-1]["lag"] == {"lagging": {"0": 0, "1": 0}}, batches[-1]
+
+
+def test_the_state_size_is_listed_at_most_every_n_seconds(tmp_path, monkeypatch):
+    """Between two measurements a batch reuses the last figure (no listing per batch)."""
+    from onceflow.checkpoint.layout import CheckpointDir
+    from onceflow.runtime.metrics import progress
+
+    calls = []
+    monkeypatch.setattr(progress, "checkpoint_state_bytes", lambda ckpt, batch: calls.append(batch) or {0: batch})
+    size = progress.StateSize(CheckpointDir(str(tmp_path)), every_s=60)
+    assert size.after(3) == (3, {0: 3})
+    assert size.after(4) == (3, {0: 3}) and calls == [3]
+    size.every_s = 0
+    assert size.after(5) == (5, {0: 5}) and calls == [3, 5]

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.storage import is_local
 
 log = logging.getLogger("onceflow.metrics")
 
@@ -90,23 +91,43 @@ def checkpoint_state_bytes(ckpt: CheckpointDir, batch: int) -> dict[int, int]:
 
 
 class StateSize:
-    """:func:`checkpoint_state_bytes` of the newest batch, listed at most every ``every_s``."""
+    """:func:`checkpoint_state_bytes` of the newest batch, listed at most every ``every_s``.
+
+    On a local filesystem it is measured in the caller's thread (a directory walk); on object
+    stores, where it is two listings and the RocksDB zips, in a background thread, so the
+    runner's monitor loop never waits for it (the figure then names an earlier batch)."""
 
     def __init__(self, ckpt: CheckpointDir, every_s: float | None = None):
         self.ckpt = ckpt
         self.every_s = float(os.environ.get(STATE_SIZE_ENV, STATE_SIZE_EVERY_S)) if every_s is None else every_s
+        self.background = not is_local(ckpt.fs)
         self._at = -1e18
         self._lock = threading.Lock()
+        self._running: threading.Thread | None = None
         self.batch: int | None = None
         self.bytes: dict[int, int] = {}
 
     def after(self, batch: int) -> tuple[int | None, dict[int, int]]:
         """The (measured batch, bytes per operator): measured again for ``batch`` when due."""
         with self._lock:
-            if time.monotonic() - self._at >= self.every_s:
+            due = time.monotonic() - self._at >= self.every_s and not (
+                self._running is not None and self._running.is_alive())
+            if due:
                 self._at = time.monotonic()
-                try:
-                    self.bytes, self.batch = checkpoint_state_bytes(self.ckpt, batch), batch
-                except Exception as e:  # noqa: BLE001 - a figure for humans: keep the last one
-                    log.debug("state size of %s after batch %d: %s", self.ckpt.url, batch, e)
+        if due and self.background:
+            self._running = threading.Thread(target=self._measure, args=(batch,), daemon=True,
+                                             name="onceflow-state-size")
+            self._running.start()
+        elif due:
+            self._measure(batch)
+        with self._lock:
             return self.batch, dict(self.bytes)
+
+    def _measure(self, batch: int) -> None:
+        try:
+            sizes = checkpoint_state_bytes(self.ckpt, batch)
+        except Exception as e:  # noqa: BLE001 - a figure for humans: keep the last one
+            log.debug("state size of %s after batch %d: %s", self.ckpt.url, batch, e)
+            return
+        with self._lock:
+            self.bytes, self.batch = sizes, batch
