@@ -74,9 +74,9 @@ def _state_lines(checkpoint_dir: str, events: list[dict]) -> list[str]:
     try:
         batch = ckpt.last_committed()
         sizes = checkpoint_state_bytes(ckpt, batch) if batch is not None else {}
-    except Exception as e:  # noqa: BLE001 - the table above is still worth showing
-        return [f"state size: not measured ({e})"]
-    ops = {}
+    except Exception as err:  # noqa: BLE001 - the table above is still worth showing
+        return [f"state size: not measured ({err})"]
+    ops: dict[int, dict] = {}
     for e in events:
         if e.get("event") == "batch" and e.get("state"):
             ops = {int(o.get("id", 0)): o for o in e["state"]}
