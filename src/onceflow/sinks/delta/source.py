@@ -21,7 +21,9 @@ epoch (FencedError). Task files and attempt directories carry their writer's epo
 name; recovery deletes only orphans of older epochs, so a zombie never deletes a successor's.
 
 Modes: ``append`` adds the batch's rows; ``complete`` replaces the table's contents with the
-batch's result in the same single commit. Guarantee for both: exactly-once.
+batch's result in the same single commit; ``write=upsert`` (:mod:`.upsert`) merges the batch's
+staged rows, the last event per key, in one MERGE that carries the same app transaction.
+Guarantee for all three: exactly-once.
 
 Partitioning (:mod:`.partitions`) and schema (:mod:`.evolution`) are those of the snapshot the
 decision commits on: every add must carry exactly that snapshot's partition columns and the
