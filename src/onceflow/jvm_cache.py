@@ -52,6 +52,39 @@ def archive_path() -> str:
     return os.path.join(base, f"spark-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa")
 
 
+#: archives kept besides the current one (other installations: venvs, PySpark versions)
+KEEP = 2
+
+
+def prune(path: str, keep: int = KEEP, partial_age_s: float = _BUILD_TIMEOUT_S) -> list[str]:
+    """Remove what piles up next to ``path`` (170 MB each): archives of other installations
+    beyond the ``keep`` most recently used, and partial ones of builds older than their
+    timeout. Returns the removed names; errors are ignored (another process may prune too)."""
+    folder, removed = os.path.dirname(path), []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    now, archives, dead = time.time(), [], []
+    for name in names:
+        full = os.path.join(folder, name)
+        try:
+            st = os.stat(full)
+        except OSError:
+            continue
+        if name.endswith(".tmp") and now - st.st_mtime > partial_age_s:
+            dead.append(full)  # a dead build's partial archive
+        elif name.endswith(".jsa") and full != path:
+            archives.append((max(st.st_atime, st.st_mtime), full))
+    for full in dead + [full for _, full in sorted(archives, reverse=True)[keep:]]:
+        try:
+            os.unlink(full)
+            removed.append(os.path.basename(full))
+        except OSError:
+            pass
+    return removed
+
+
 def java_options() -> str:
     """JVM options for a driver: use the archive if it exists, else start building it."""
     if not enabled():
