@@ -226,8 +226,11 @@ def test_savepoint_cli_refusals(tmp_path):
     assert r.exit_code == 0 and "no savepoints" in r.output
 
 
-@pytest.mark.parametrize("args", [["stop", "{tmp}/ckpt"]])
+@pytest.mark.parametrize("args", [["stop", "{tmp}/ckpt"], ["cancel", "{tmp}/ckpt"]])
 def test_stop_when_nothing_runs(tmp_path, args):
+    from onceflow.checkpoint.eventlog import EventLog
+
+    EventLog(str(tmp_path / "ckpt")).append("stop", reason="finished", exit_code=0, scope="process")
     r = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
     assert r.exit_code == 0 and "not running" in r.output
 

@@ -8,8 +8,9 @@ from onceflow import __version__
 from onceflow.cli.checkpoints import checkpoints, state
 from onceflow.cli.demo import demo
 from onceflow.cli.doctor import doctor
+from onceflow.cli.jobs import list_
 from onceflow.cli.run import run
-from onceflow.cli.savepoint import savepoint, stop
+from onceflow.cli.savepoint import cancel, savepoint, stop
 from onceflow.cli.verify import verify
 from onceflow.errors import OnceflowError
 
@@ -42,6 +43,8 @@ main.add_command(run)
 main.add_command(demo)
 main.add_command(savepoint)
 main.add_command(stop)
+main.add_command(cancel)
+main.add_command(list_)
 main.add_command(checkpoints)
 main.add_command(state)
 main.add_command(doctor)

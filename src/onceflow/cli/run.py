@@ -15,6 +15,7 @@ from onceflow.spark import parse_conf
 
 @click.command("run")
 @click.argument("target", metavar="PATH/TO/JOB.PY[:NAME]")
+@click.argument("job_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS...]")
 @click.option(
     "--restart-strategy", "restart_spec", metavar="SPEC",
     help="Override the job's restart strategy, e.g. 'fixed_delay:attempts=5,delay=2s', "
@@ -55,7 +56,7 @@ from onceflow.spark import parse_conf
               "checkpoint, an overlapping rollout), stand by up to SECONDS for it to end or lapse, "
               "then take over; a line every 30 s says who holds it. 0: exit 5 at once instead.")
 @click.pass_context
-def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
+def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec: str | None, checkpoint_url: str | None,
         from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
         master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None) -> None:
@@ -66,6 +67,9 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     Ctrl-C stops with a savepoint: the in-flight batch finishes, the query stops, a savepoint
     of the last committed batch is written to --savepoint-dir/<job>-<batch>-<time> and its
     path printed (Ctrl-C twice kills at once, no savepoint). Exit code 0 only if that worked.
+
+    Arguments after '--' are the job's: 'onceflow run job.py -- --topic a' runs job.py with
+    sys.argv == ['job.py', '--topic', 'a'] in every process that loads it (as spark-submit).
     """
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -76,7 +80,7 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
             fork=fork, rescale=rescale, allow_non_restored_state=allow_non_restored_state,
             savepoint_dir=savepoint_dir, savepoint_on_stop=not no_savepoint_on_stop, master=master,
             remote=remote, conf=parse_conf(conf), metrics_port=metrics_port, standby=standby,
-            wait_for_lease=wait_for_lease)
+            wait_for_lease=wait_for_lease, args=job_args)
         rc = launch(target, options)
     except OnceflowError as e:
         click.echo(f"error: {e}", err=True)

@@ -1,4 +1,5 @@
-"""The supervised driver process: ``python -m onceflow.runtime.driver path/to/job.py[:name]``.
+"""The supervised driver process: ``python -m onceflow.runtime.driver path/to/job.py[:name]
+[-- JOB ARGS...]`` (the job file sees ``sys.argv == [path, *JOB ARGS]``, as under spark-submit).
 
 Exit codes (read by the supervisor): 0 finished or stopped on request; 2 configuration or
 user error (do not restart); 3 the in-process restart strategy gave up (do not restart);
@@ -41,7 +42,12 @@ from onceflow.errors import (
     OnceflowError,
 )
 from onceflow.runtime import scratch
-from onceflow.runtime.launch import apply_overrides, restore_from_env, run_in_process
+from onceflow.runtime.launch import (
+    apply_overrides,
+    restore_from_env,
+    run_in_process,
+    split_driver_argv,
+)
 from onceflow.runtime.loader import load_job
 from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
@@ -105,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], done: threading.Event) -> int:
-    if len(argv) != 1:
-        print("usage: python -m onceflow.runtime.driver path/to/job.py[:name]", file=sys.stderr)
+    parsed = split_driver_argv(argv)
+    if parsed is None:
+        print("usage: python -m onceflow.runtime.driver path/to/job.py[:name] [-- JOB ARGS...]",
+              file=sys.stderr)
         return EXIT_CONFIG
+    target, job_args = parsed
     logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(levelname)s %(message)s")
     stop = threading.Event()
     waiting_standby = [bool(os.environ.get(GO_ENV))]  # not promoted yet: nothing to finish
@@ -125,7 +134,7 @@ def _main(argv: list[str], done: threading.Event) -> int:
     started = time.time()
     watch_jvm()
     try:
-        job = apply_overrides(load_job(argv[0]))
+        job = apply_overrides(load_job(target, job_args))
         watch_stop_request(job.checkpoint.directory, stop, waiting_standby, done)
         go = os.environ.get(GO_ENV)
         if go:  # a warm standby: ready now, running only once promoted
