@@ -18,11 +18,12 @@ from onceflow.checkpoint.layout import CheckpointDir
 
 JOB = textwrap.dedent(
     """
-    import json, os, sys
+    import json, logging, os, sys
     from onceflow import CheckpointConfig, DeltaSink, Job
 
     with open(os.environ["WORK"] + "/argv.jsonl", "a") as f:  # every process that loads the file
         f.write(json.dumps({"pid": os.getpid(), "argv": sys.argv}) + "\\n")
+    logging.getLogger("ops.job").debug("loaded with %s", sys.argv[1:])
 
     job = Job(name="ops-job",
               source=lambda spark: spark.readStream.format("onceflow-sequence")
@@ -68,7 +69,8 @@ def test_args_list_and_cancel_on_a_running_job(tmp_path):
     ckpt = CheckpointDir(str(tmp_path / "jobs" / "a" / "ckpt"))
     (tmp_path / "jobs" / "b").mkdir(parents=True)  # no checkpoint: not listed
     sps = tmp_path / "sps"
-    sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", str(tmp_path / "job.py"),
+    sup = subprocess.Popen([sys.executable, "-m", "onceflow", "--log-format", "json", "run",
+                            "--log-level", "DEBUG", str(tmp_path / "job.py"),
                             "--savepoint-dir", str(sps), "--", "--topic", "a b", "-v"],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -100,5 +102,23 @@ def test_args_list_and_cancel_on_a_running_job(tmp_path):
             sup.kill()
     assert sup.returncode == 0, err
     assert not sps.exists() and "savepoint" not in out  # 'onceflow run' takes one on SIGTERM
+    # --log-level/--log-format reach the driver and the standby (Spark's JVM logs on its own)
+    records = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+    assert {r["role"] for r in records} >= {"supervisor", "driver", "standby"}, err[-3000:]
+    mine = [r for r in records if r["logger"] == "ops.job"]
+    assert {r["role"] for r in mine} == {"supervisor", "driver", "standby"} and {r["level"] for r in mine} == {"DEBUG"}
+    assert {r["pid"] for r in mine} == {x["pid"] for x in lines}
+    assert all(r["job"] == "ops-job" for r in records if r["role"] != "supervisor" and r["logger"] != "ops.job")
+    assert all(set(r) >= {"time", "level", "logger", "message", "job", "pid"} for r in records)
     (job,) = json.loads(onceflow("list", str(tmp_path), "--json").stdout)
     assert job["state"] == "stopped" and job["last_batch"] == ckpt.last_committed()
+
+
+def test_log_format_json_makes_errors_json_lines_too(tmp_path):
+    r = onceflow("--log-format", "json", "stop", str(tmp_path / "typo"))
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    (record,) = [json.loads(ln) for ln in r.stderr.splitlines()]
+    assert record["level"] == "ERROR" and record["message"].endswith("typo does not exist: give the "
+                                                                      "checkpoint directory of a job")
+    r = onceflow("--log-level", "LOUD", "list", str(tmp_path))
+    assert r.returncode == 2 and "Invalid value for '--log-level': 'LOUD'" in r.stderr

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import click
 
-from onceflow import __version__
+from onceflow import __version__, logs
 from onceflow.cli.checkpoints import checkpoints, state
 from onceflow.cli.demo import demo
 from onceflow.cli.doctor import doctor
 from onceflow.cli.jobs import list_
+from onceflow.cli.options import log_options
 from onceflow.cli.run import run
 from onceflow.cli.savepoint import cancel, savepoint, stop
 from onceflow.cli.verify import verify
@@ -22,12 +23,13 @@ class _Main(click.Group):
         try:
             return super().invoke(ctx)
         except OnceflowError as e:
-            click.echo(f"error: {e}", err=True)
+            logs.error_line(str(e))
             ctx.exit(2)
 
 
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="onceflow")
+@log_options
 def main() -> None:
     """Exactly-once machinery for PySpark Structured Streaming.
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import sys
 
 import click
 
+from onceflow import logs
+from onceflow.cli.options import log_options
 from onceflow.errors import OnceflowError
 from onceflow.runtime.launch import LaunchOptions, launch
 from onceflow.spark import parse_conf
@@ -55,6 +55,7 @@ from onceflow.spark import parse_conf
               help="When another driver holds the checkpoint's lease (a second pod on the same "
               "checkpoint, an overlapping rollout), stand by up to SECONDS for it to end or lapse, "
               "then take over; a line every 30 s says who holds it. 0: exit 5 at once instead.")
+@log_options
 @click.pass_context
 def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec: str | None, checkpoint_url: str | None,
         from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,
@@ -71,9 +72,7 @@ def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec
     Arguments after '--' are the job's: 'onceflow run job.py -- --topic a' runs job.py with
     sys.argv == ['job.py', '--topic', 'a'] in every process that loads it (as spark-submit).
     """
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s supervisor %(levelname)s %(message)s")
+    logs.configure("supervisor")
     try:
         options = LaunchOptions(
             checkpoint=checkpoint_url, restart_strategy=restart_spec, from_savepoint=from_savepoint,
@@ -83,6 +82,6 @@ def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec
             wait_for_lease=wait_for_lease, args=job_args)
         rc = launch(target, options)
     except OnceflowError as e:
-        click.echo(f"error: {e}", err=True)
+        logs.error_line(str(e))
         ctx.exit(2)
     ctx.exit(rc)

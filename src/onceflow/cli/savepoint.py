@@ -5,19 +5,17 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 
 import click
 
+from onceflow import logs
 from onceflow.savepoint.manifest import Manifest
 
 
 def _logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s onceflow %(levelname)s %(message)s")
+    logs.configure("onceflow")
 
 
 def _size(n: int) -> str:

@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 
+from onceflow import logs
 from onceflow.errors import (
     EXIT_CONFIG,
     EXIT_CRASHED,
@@ -68,9 +69,8 @@ def watch_jvm(interval: float = 0.5) -> threading.Thread:
             sc = SparkContext._active_spark_context
             proc = getattr(getattr(sc, "_gateway", None), "proc", None) if sc else None
             if proc is not None and proc.poll() is not None:
-                print(f"error: the Spark JVM (pid {proc.pid}) exited with code {proc.returncode} "
-                      "under this driver; exiting as crashed so the supervisor restarts it",
-                      file=sys.stderr, flush=True)
+                logs.error_line(f"the Spark JVM (pid {proc.pid}) exited with code {proc.returncode} "
+                                "under this driver; exiting as crashed so the supervisor restarts it")
                 os._exit(EXIT_JVM_DIED)
 
     thread = threading.Thread(target=run, name="onceflow-jvm-watchdog", daemon=True)
@@ -117,7 +117,7 @@ def _main(argv: list[str], done: threading.Event) -> int:
               file=sys.stderr)
         return EXIT_CONFIG
     target, job_args = parsed
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(levelname)s %(message)s")
+    logs.configure("standby" if os.environ.get(GO_ENV) else "driver")
     stop = threading.Event()
     waiting_standby = [bool(os.environ.get(GO_ENV))]  # not promoted yet: nothing to finish
 
@@ -135,6 +135,7 @@ def _main(argv: list[str], done: threading.Event) -> int:
     watch_jvm()
     try:
         job = apply_overrides(load_job(target, job_args))
+        logs.set_job(job.name)
         watch_stop_request(job.checkpoint.directory, stop, waiting_standby, done)
         go = os.environ.get(GO_ENV)
         if go:  # a warm standby: ready now, running only once promoted
@@ -142,22 +143,23 @@ def _main(argv: list[str], done: threading.Event) -> int:
             if spark is None:
                 return EXIT_OK
             waiting_standby[0] = False
+            logs.configure("driver")  # promoted: from now on it is the active driver
             _serve_metrics(job, started)
             ran = run_in_process(job, spark, stop, restore=restore_from_env(), takeover=takes_over(go))
         else:
             _serve_metrics(job, started)
             ran = run_in_process(job, stop=stop, restore=restore_from_env())
     except GaveUp as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error_line(str(e))
         return EXIT_GAVE_UP
     except FencedError as e:
-        print(f"fenced: {e}", file=sys.stderr)
+        logs.error_line(str(e), prefix="fenced")
         return EXIT_FENCED
     except JvmDied as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error_line(str(e))
         return EXIT_JVM_DIED
     except OnceflowError as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error_line(str(e))
         return EXIT_CONFIG if e.fatal else EXIT_CRASHED
     if stop.is_set() and ran:  # a driver that only stood by has nothing to save
         return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
@@ -194,9 +196,9 @@ def _savepoint_on_stop(checkpoint_url: str, job_name: str, started: float) -> in
     try:
         taken = savepoint_on_stop(checkpoint_url, job_name, started)
     except Exception as e:  # noqa: BLE001 - any failure: the stop did not do what was asked
-        print(f"error: stopped, but the savepoint on stop failed: {e}; the checkpoint "
-              f"{checkpoint_url} is intact: take one with 'onceflow savepoint create "
-              f"{checkpoint_url}'", file=sys.stderr)
+        logs.error_line(f"stopped, but the savepoint on stop failed: {e}; the checkpoint "
+                        f"{checkpoint_url} is intact: take one with 'onceflow savepoint create "
+                        f"{checkpoint_url}'")
         return EXIT_SAVEPOINT_FAILED
     if taken:
         url, m = taken

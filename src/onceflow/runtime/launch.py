@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from onceflow import logs
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import EXIT_CONFIG, ConfigError, OnceflowError
 from onceflow.runtime.loader import load_job
@@ -198,6 +199,7 @@ def launch(target: str, options: LaunchOptions | None = None,
     options = options or LaunchOptions()
     options.check()
     job = load_job(target, options.args)
+    logs.set_job(job.name)
     restore = restore_request(options.from_savepoint, options.fork, options.rescale,
                               options.allow_non_restored_state)
     ckpt, absent = _prepare(job, restore, checkpoint=options.checkpoint)
