@@ -55,12 +55,17 @@ from onceflow.spark import parse_conf
               help="When another driver holds the checkpoint's lease (a second pod on the same "
               "checkpoint, an overlapping rollout), stand by up to SECONDS for it to end or lapse, "
               "then take over; a line every 30 s says who holds it. 0: exit 5 at once instead.")
+@click.option("--dry-run", is_flag=True,
+              help="Load the job, build its query plan and open its sink read-only (options, "
+              "target, permissions); print the plan and the sink's guarantee, then exit 0 "
+              "without running a batch or writing anything.")
 @log_options
 @click.pass_context
 def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec: str | None, checkpoint_url: str | None,
         from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
-        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None) -> None:
+        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None,
+        dry_run: bool) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -80,6 +85,11 @@ def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec
             savepoint_dir=savepoint_dir, savepoint_on_stop=not no_savepoint_on_stop, master=master,
             remote=remote, conf=parse_conf(conf), metrics_port=metrics_port, standby=standby,
             wait_for_lease=wait_for_lease, args=job_args)
+        if dry_run:
+            from onceflow.runtime.dryrun import dry_run as check
+
+            check(target, options, click.echo)
+            ctx.exit(0)
         rc = launch(target, options)
     except OnceflowError as e:
         logs.error_line(str(e))
