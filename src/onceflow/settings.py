@@ -2,7 +2,7 @@
 
 Code reads them with :func:`setting` (or names them by the constants below), so that an
 unknown name is a KeyError in development and docs/configuration.md, generated from
-:data:`SETTINGS` (``python -m onceflow.docgen``), lists them all. A test checks that every
+:data:`SETTINGS` (``onceflow config-reference``), lists them all. A test checks that every
 ``ONCEFLOW_`` name in the source is registered here.
 
 ``kind`` says who sets a variable: ``user`` (you), ``run`` (``onceflow run`` sets it for its
@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import overload
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,10 @@ LOG_LEVEL_ENV = "ONCEFLOW_LOG_LEVEL"
 LOG_FORMAT_ENV = "ONCEFLOW_LOG_FORMAT"
 
 
+@overload
+def setting(name: str, default: str, environ: Mapping[str, str] | None = None) -> str: ...
+@overload
+def setting(name: str, default: None = None, environ: Mapping[str, str] | None = None) -> str | None: ...
 def setting(name: str, default: str | None = None, environ: Mapping[str, str] | None = None) -> str | None:
     """The value of ``name`` in the environment, else ``default`` (KeyError: not registered).
 

@@ -7,7 +7,6 @@ import math
 import click
 
 from onceflow import logs
-from onceflow.cli.options import log_options
 from onceflow.errors import OnceflowError
 from onceflow.runtime.launch import LaunchOptions, launch
 from onceflow.spark import parse_conf
@@ -59,7 +58,6 @@ from onceflow.spark import parse_conf
               help="Load the job, build its query plan and open its sink read-only (options, "
               "target, permissions); print the plan and the sink's guarantee, then exit 0 "
               "without running a batch or writing anything.")
-@log_options
 @click.pass_context
 def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec: str | None, checkpoint_url: str | None,
         from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,
