@@ -10,6 +10,7 @@ Run it with every extra installed (a sink whose extra is missing cannot be docum
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import click
 
@@ -30,12 +31,12 @@ _KINDS = {
 
 
 def _cell(text: str | None) -> str:
-    return (text or "").replace("|", "\\|").replace("\n", " ").strip()
+    return " ".join((text or "").replace("|", "\\|").split())
 
 
 def _commands(cmd: click.Command, ctx: click.Context, path: str) -> list[str]:
     out: list[str] = []
-    doc = (cmd.help or "").strip().split("\n\n")[0].replace("\n", " ")
+    doc = " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())
     args = " ".join(p.make_metavar(ctx) if hasattr(p, "make_metavar") else p.name
                     for p in cmd.params if isinstance(p, click.Argument))
     out += [f"### `{path}{' ' + args if args else ''}`", "", doc, ""]
