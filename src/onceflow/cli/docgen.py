@@ -37,11 +37,9 @@ def _cell(text: str | None) -> str:
 def _commands(cmd: click.Command, ctx: click.Context, path: str) -> list[str]:
     out: list[str] = []
     doc = " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())
-    args = " ".join(p.make_metavar(ctx) if hasattr(p, "make_metavar") else p.name
-                    for p in cmd.params if isinstance(p, click.Argument))
+    args = " ".join(p.make_metavar(ctx) for p in cmd.params if isinstance(p, click.Argument))
     out += [f"### `{path}{' ' + args if args else ''}`", "", doc, ""]
-    rows = [p.get_help_record(ctx) for p in cmd.params if isinstance(p, click.Option)]
-    rows = [r for r in rows if r]
+    rows = [r for p in cmd.params if isinstance(p, click.Option) and (r := p.get_help_record(ctx))]
     if rows:
         out += ["| option | meaning |", "|---|---|"]
         out += [f"| `{_cell(flags)}` | {_cell(text)} |" for flags, text in rows]

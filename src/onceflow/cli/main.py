@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -28,7 +28,10 @@ def _set(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
     logs.configure(logs.current_role())
 
 
-def log_options(f: Callable[..., Any]) -> Callable[..., Any]:
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def log_options(f: F) -> F:
     """``--log-level`` and ``--log-format`` (the group's, and again on ``run``)."""
     f = click.option("--log-format", "log_format", type=click.Choice(logs.FORMATS, case_sensitive=False),
                      expose_value=False, is_eager=True, callback=_set,
