@@ -57,6 +57,19 @@ def json_format() -> bool:
     return (setting(LOG_FORMAT_ENV) or "text").lower() == "json"
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of each record (a test runner or
+    click's CliRunner may swap it), like logging's own last-resort handler."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass
+
+
 def configure(role: str, stream: TextIO | None = None) -> None:
     """(Re)configure the root logger for this process as ``role`` (supervisor, driver,
     standby, onceflow), from ``ONCEFLOW_LOG_LEVEL`` and ``ONCEFLOW_LOG_FORMAT``. Replaces the
@@ -66,7 +79,7 @@ def configure(role: str, stream: TextIO | None = None) -> None:
     for h in list(root.handlers):
         if getattr(h, _MARK, False):
             root.removeHandler(h)
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler: logging.StreamHandler = logging.StreamHandler(stream) if stream else _Stderr()
     setattr(handler, _MARK, True)
     handler.setFormatter(JsonFormatter() if json_format()
                          else logging.Formatter(f"%(asctime)s {role} %(levelname)s %(message)s"))
