@@ -41,6 +41,9 @@ RUNS = {  # name: (source, sink, extra faults, master)
     "pg2pc": ("sequence", "postgres-two_phase", ["pg_restart", "pg_down"], "local[2]"),
     "pgidem": ("sequence", "postgres-idempotent", ["pg_restart", "pg_down"], "local[2]"),
     "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart", "broker_restart"], "local[2]"),
+    # new runs go last: a run's seed is --seed plus its index here
+    "delta-upsert": ("sequence", "delta-upsert", ["zombie"], "local[2]"),
+    "delta-upsert-cluster": ("sequence", "delta-upsert", ["executor_kill"], "local-cluster[2,1,1024]"),
 }
 
 

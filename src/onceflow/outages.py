@@ -3,8 +3,8 @@
 :func:`is_config_error` tells the two apart: a path that cannot be a directory, missing
 permissions (wrong credentials), a malformed URL, and onceflow's own fatal errors are
 configuration; everything else a filesystem, object store or network client raises (refused
-connections, timeouts, HTTP 5xx, a read-only or full filesystem, an expired token's refresh
-failing) is an outage. :func:`wait_out` retries a step through any outage, logging one line
+connections, timeouts, HTTP 5xx, a read-only or full filesystem, credentials that expired
+before their refresh landed) is an outage. :func:`wait_out` retries a step through any outage, logging one line
 per retry that says what waits and why, and raises a configuration error at once.
 """
 
@@ -25,10 +25,25 @@ _CONFIG = (PermissionError, NotADirectoryError, IsADirectoryError, FileExistsErr
            TypeError, KeyError)
 
 
+#: what object stores answer (s3fs raises PermissionError) when short-lived credentials ran out
+#: before their refresh landed: a rotated token (a sidecar's, IRSA's, a vault agent's) fixes it
+_EXPIRED = ("expiredtoken", "token has expired", "requestexpired", "expired token", "tokenrefreshrequired")
+
+
+def _expired(e: BaseException) -> bool:
+    """The error (or the client error it translates, as s3fs's do) says credentials expired."""
+    cause = e.__cause__
+    code = str(getattr(cause, "response", {}).get("Error", {}).get("Code", "")).lower()
+    return any(m in f"{code} {e}".lower() for m in _EXPIRED)
+
+
 def is_config_error(e: BaseException) -> bool:
-    """True when waiting cannot fix ``e`` (see module doc)."""
+    """True when waiting cannot fix ``e`` (see module doc). Expired credentials are an outage:
+    a refresh of short-lived credentials ends it."""
     if isinstance(e, OnceflowError):
         return e.fatal
+    if isinstance(e, PermissionError) and _expired(e):
+        return False
     return isinstance(e, _CONFIG)
 
 

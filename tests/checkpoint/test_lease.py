@@ -189,3 +189,18 @@ def test_a_driver_standing_by_forever_ends_its_wait_when_stopped_and_takes_nothi
     free = DriverLease(str(tmp_path), "job", ttl_s=30).acquire(stop=threading.Event())
     assert free.epoch == 2 and not free.waited
     free.release()
+
+
+def test_a_takeover_of_a_dead_drivers_epoch_leaves_a_lease_someone_took_since(tmp_path):
+    """A standby promoted to take over epoch E (its supervisor's dead driver) must not fence a
+    driver of another supervisor that took the lease after E meanwhile: it is judged like any
+    holder. Taking over the newest epoch itself still works."""
+    dead = DriverLease(str(tmp_path), "job", ttl_s=30).acquire()
+    other = DriverLease(str(tmp_path), "job", ttl_s=30, renew_s=0.05).acquire(takeover=True)
+    with pytest.raises(FencedError, match="already running"):
+        DriverLease(str(tmp_path), "job", ttl_s=30).acquire(takeover=dead.epoch, wait_s=0)
+    assert not other.lost.is_set() and other.epoch == dead.epoch + 1
+    mine = DriverLease(str(tmp_path), "job", ttl_s=30).acquire(takeover=other.epoch)
+    assert mine.epoch == other.epoch + 1 and other.lost.wait(5)
+    for lease in (dead, other, mine):
+        lease.release()

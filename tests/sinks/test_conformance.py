@@ -17,7 +17,8 @@ exactly once, nothing dangling (orphan Parquet files or attempt directories, pre
 transactions). Delta runs with both write paths: ``delta`` (Arrow, Spark's Python data source)
 and ``delta-jvm`` (Spark's Parquet writer under ``foreachBatch``, committed by the same code),
 each also on a table partitioned by ``p = id % 32`` (``-part``; the reader also checks every
-row's partition value).
+row's partition value). ``delta-upsert`` merges each batch on ``keys=["id"]``; as a second MERGE
+of a batch would not change its rows, the raw log is also checked for one MERGE per batch.
 
 Iceberg runs on an SQLite catalog and has one more window, ``after_catalog_commit``: the
 catalog took the batch's snapshot and the commit raises as if its reply were lost; its output is
@@ -48,8 +49,8 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
-SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "postgres-two_phase", "postgres-idempotent",
-         "kafka", "iceberg"]
+SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "delta-upsert", "postgres-two_phase",
+         "postgres-idempotent", "kafka", "iceberg"]
 #: the crash windows and the zombie chains run minutes per sink: every sink and write path, and
 #: partitioning on the Arrow path only (both writers' partitioned commits are also crashed and
 #: replayed in test_delta_partitioned.py; the fence does not depend on partitioning)
@@ -74,7 +75,7 @@ class Case:
     extra: dict[str, str] = field(default_factory=dict)
 
 
-def _delta_case(tmp_path: Path, writer: str = "arrow", partitioned: bool = False) -> Case:
+def _delta_case(tmp_path: Path, writer: str = "arrow", partitioned: bool = False, upsert: bool = False) -> Case:
     from deltalake import DeltaTable
 
     from onceflow.verify.readers import delta_dangling
@@ -90,8 +91,28 @@ def _delta_case(tmp_path: Path, writer: str = "arrow", partitioned: bool = False
         return ids
 
     kind = ("delta" if writer == "arrow" else f"delta-{writer}") + ("-part" if partitioned else "")
+    kind += "-upsert" if upsert else ""
     env = {"TABLE": str(table), "WRITER": writer} | ({"PARTITION": "p"} if partitioned else {})
-    return Case(kind, env, read_ids, lambda: delta_dangling(str(table)))
+    env |= {"WRITE": "upsert"} if upsert else {}
+    def dangling() -> list[str]:
+        return delta_dangling(str(table)) + (merged_twice(table) if upsert else [])
+
+    return Case(kind, env, read_ids, dangling)
+
+
+def merged_twice(table: Path) -> list[str]:
+    """Batches with more than one MERGE in the raw log (commitInfo's onceflow entry): with
+    every id its own key a second MERGE of a batch would not show in the rows."""
+    seen: dict[tuple, int] = {}
+    for entry in sorted((table / "_delta_log").glob("*.json")):
+        for action in map(json.loads, entry.read_text().splitlines()):
+            info = action.get("commitInfo") or {}
+            meta = info.get("onceflow")
+            if info.get("operation") == "MERGE" and meta:
+                meta = json.loads(meta) if isinstance(meta, str) else meta
+                key = (meta["lineage"], meta["batch"])
+                seen[key] = seen.get(key, 0) + 1
+    return [f"batch {b} of lineage {lin} merged {n} times" for (lin, b), n in seen.items() if n > 1]
 
 
 def _postgres_case(pg, mode: str) -> Case:
@@ -180,7 +201,8 @@ def kafka_bootstrap() -> Iterator[str]:
 def case(request, tmp_path) -> Case:
     kind = request.param
     if kind.startswith("delta"):
-        return _delta_case(tmp_path, "jvm" if "-jvm" in kind else "arrow", kind.endswith("-part"))
+        return _delta_case(tmp_path, "jvm" if "-jvm" in kind else "arrow", kind.endswith("-part"),
+                           kind.endswith("-upsert"))
     if kind.startswith("postgres"):
         return _postgres_case(request.getfixturevalue("pg"), kind.split("-", 1)[1])
     if kind == "iceberg":
@@ -198,6 +220,8 @@ def build_sink(env):
     kind = env["SINK_KIND"]
     if kind.startswith("delta"):
         from onceflow import DeltaSink
+        if env.get("WRITE") == "upsert":  # every id its own key: a lost or doubled id shows
+            return DeltaSink(env["TABLE"], write="upsert", keys=["id"])
         return DeltaSink(env["TABLE"], writer=env.get("WRITER", "arrow"),
                          partition_by=[env["PARTITION"]] if env.get("PARTITION") else None)
     if kind.startswith("postgres"):

@@ -261,6 +261,36 @@ job = Job(
 """
 
 
+def test_write_stream_gives_plain_spark_code_the_jobs_writer_and_fencing(spark, tmp_path):
+    """``DeltaSink(path).write_stream(df, checkpoint)``: the writer a Job runs (Spark's own
+    Parquet writer here: per-attempt directories in the log), a new epoch per start (the first
+    start's sink can no longer decide), and a restart that writes nothing twice."""
+    from onceflow.errors import FencedError
+    from onceflow.sinks.base import Decision
+
+    table, ckpt = str(tmp_path / "table"), str(tmp_path / "ckpt")
+
+    def start(total: int):
+        df = (spark.readStream.format("onceflow-sequence").option("total", total)
+              .option("rows_per_second", 10_000_000).option("max_rows_per_batch", 1000).load())
+        q = DeltaSink(table).write_stream(df, ckpt).start()
+        try:
+            q.processAllAvailable()
+        finally:
+            q.stop()
+
+    start(3000)
+    paths = pa.table(DeltaTable(table).get_add_actions(flatten=True)).column("path").to_pylist()
+    assert paths and all("-d" in p.split("/")[0] for p in paths), "not the JVM writer's attempt directories"
+    epochs = [json.loads(h["onceflow"])["epoch"] for h in DeltaTable(table).history() if "onceflow" in h]
+    old = DeltaSink(table).data_source({"checkpointlocation": ckpt, "epoch": str(max(epochs))})
+    start(3000)  # a restart of the finished query: nothing again
+    assert check_delta_table(table, 3000).ok
+    lineage = json.loads((tmp_path / "ckpt" / "metadata").read_text())["id"]
+    with pytest.raises(FencedError):
+        old.decide(Decision(lineage, 99, "f", [], max(epochs)), None, False)
+
+
 def start_driver(tmp_path, env_extra) -> subprocess.Popen:
     job_file = tmp_path / "job.py"
     job_file.write_text(textwrap.dedent(JOB_FILE))

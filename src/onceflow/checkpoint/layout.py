@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -65,6 +66,15 @@ class CheckpointDir:
     def lineage(self) -> str:
         """The query id Spark stored in ``metadata`` (stable across restarts; read once per
         object: use :meth:`read_lineage` where a restore may just have rewritten it)."""
+        return self.read_lineage()
+
+    def ensure_lineage(self) -> str:
+        """The lineage; for a new checkpoint, write Spark's ``metadata`` first (the query id
+        Spark then adopts), so a sink can be opened for it before the query starts."""
+        if not self.exists():
+            self.fs.makedirs(self.path, exist_ok=True)
+            with self.fs.open(self._p("metadata"), "w") as f:
+                f.write(json.dumps({"id": str(uuid.uuid4())}, separators=(",", ":")))
         return self.read_lineage()
 
     def read_lineage(self) -> str:

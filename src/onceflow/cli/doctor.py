@@ -7,6 +7,8 @@
   broker allows.
 * ``--postgres DSN [--resolve]``: the PostgreSQL sink's checks; ``--resolve`` commits decided
   and rolls back undecided onceflow prepared transactions of stopped jobs.
+* ``--delta PATH``: a Delta table's version, partitioning, schema, protocol and table features,
+  the onceflow lineages in its recent commits, and task files not yet cleaned up.
 * no option: every registered sink with its modes and their guarantees.
 
 Exit code 1 when a check fails, 0 otherwise.
@@ -58,12 +60,17 @@ def _list_guarantees() -> None:
             from onceflow.sinks.postgres.doctor import guarantees
 
             click.echo(f"  mode=idempotent write=upsert: {guarantees()[2]}")
+        if fmt == "onceflow-delta":
+            click.echo("  write=upsert: exactly-once: one MERGE per batch (the last event per key wins, "
+                       "deletes delete) committed with the batch's app transaction; a replay merges nothing")
 
 
 @click.command("doctor")
 @click.option("--kafka", "kafka", metavar="BOOTSTRAP",
               help="Check a Kafka cluster for the Kafka sink (host:port[,host:port]).")
 @click.option("--postgres", "postgres", metavar="DSN", help="Check a PostgreSQL server for the PostgreSQL sink.")
+@click.option("--delta", "delta", metavar="PATH", multiple=True,
+              help="Report a Delta table (repeatable): partitioning, schema, protocol features, onceflow lineages.")
 @click.option("--resolve", is_flag=True,
               help="With --postgres: commit decided / roll back undecided onceflow prepared transactions.")
 @click.option("--timeout", default=20.0, show_default=True, metavar="SECONDS",
@@ -74,15 +81,22 @@ def _list_guarantees() -> None:
 @click.option("--marker-topic", "marker_topic", default="__onceflow_markers", show_default=True,
               help="With --kafka: the Kafka sink's marker topic to check.")
 @click.pass_context
-def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve: bool, timeout: float,
-           transaction_timeout: float, marker_topic: str) -> None:
+def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, delta: tuple[str, ...], resolve: bool,
+           timeout: float, transaction_timeout: float, marker_topic: str) -> None:
     """Check sink systems and print the guarantee of every sink mode."""
     if resolve and not postgres:
         raise click.UsageError("--resolve needs --postgres DSN")
     failed = False
-    if not kafka and not postgres:
+    if not kafka and not postgres and not delta:
         _list_guarantees()
         return
+    for path in delta:
+        from onceflow.sinks.delta.doctor import doctor as delta_doctor
+
+        click.echo(f"Delta table {path}:")
+        for check in delta_doctor(path):
+            _print(check.name, check.ok, check.detail)
+            failed |= not check.ok
     if kafka:
         from onceflow.sinks.kafka import doctor as kafka_doctor
 

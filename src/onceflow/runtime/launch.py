@@ -130,7 +130,7 @@ def _prepare(job: JobSpec, restore: RestoreRequest | None, *, checkpoint: str | 
 
 
 def run_in_process(job: JobSpec, spark: Any = None, stop: threading.Event | None = None, *,
-                   restore: RestoreRequest | None = None, takeover: bool = False) -> bool:
+                   restore: RestoreRequest | None = None, takeover: bool | int = False) -> bool:
     """``Job.run()``: steps 1-5 in this process; blocks until done, stopped or out of restarts.
     False when it never ran: stopped while standing by for another driver's lease."""
     ckpt, absent = _prepare(job, restore, spark=spark, check=False)  # the runner checks it

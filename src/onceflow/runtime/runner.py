@@ -16,7 +16,6 @@ start, restart and stop is appended to the event log.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -81,13 +80,8 @@ def jvm_alive(spark) -> bool:
 
 
 def ensure_lineage(ckpt: CheckpointDir) -> str:
-    """The checkpoint's lineage; for a new checkpoint, write Spark's ``metadata`` first (the
-    query id Spark then adopts), so the sink can be opened for it before the query starts."""
-    if not ckpt.exists():
-        ckpt.fs.makedirs(ckpt.path, exist_ok=True)
-        with ckpt.fs.open(ckpt._p("metadata"), "w") as f:
-            f.write(json.dumps({"id": str(uuid.uuid4())}, separators=(",", ":")))
-    return ckpt.read_lineage()
+    """:meth:`CheckpointDir.ensure_lineage`."""
+    return ckpt.ensure_lineage()
 
 
 def check_checkpoint_dir(checkpoint: CheckpointDir | str, stop: threading.Event | None = None) -> None:
@@ -138,7 +132,7 @@ class JobRunner:
     """Runs one Job until its source is exhausted, a stop is requested, or restarts run out."""
 
     def __init__(self, job: JobSpec, spark=None, stop: threading.Event | None = None, restore=None,
-                 takeover: bool = False, checkpoint: CheckpointDir | None = None):
+                 takeover: bool | int = False, checkpoint: CheckpointDir | None = None):
         self.job = job
         self.takeover = takeover
         self.ran = False
@@ -291,6 +285,7 @@ class JobRunner:
         if not df.isStreaming:
             raise ConfigError(f"job {job.name}: the source must be a streaming DataFrame (spark.readStream...)")
         sink = job.sink.for_session(spark)
+        df = sink.prepare(df)
         sink_opts = dict(sink.options())
         if is_connect(spark):  # the query runs on the server and would outlive this driver
             sink_opts["driver_lease"] = f"{self.lease.epoch}:{self.lease.ttl_s:g}"

@@ -10,8 +10,9 @@ writes ``<go file>.ready`` (its pid and warm-up time) and waits.
 When the go file appears (the supervisor creates it the moment it sees the active driver
 die), the standby runs the job from the checkpoint like any restarted driver. The go file says
 how it takes the lease (:func:`promote`, :func:`takes_over`): *with takeover* when the lease is
-held by a driver of its own supervisor, which just died (its sinks take a newer fencing epoch,
-so even a driver that only looked dead can never commit again); otherwise the way any driver
+held by a driver of its own supervisor, which just died, and only from that driver's lease
+epoch (its sinks take a newer fencing epoch, so even a driver that only looked dead can never
+commit again; a lease another supervisor took meanwhile is not taken over); otherwise the way any driver
 does, standing by while a live driver of another supervisor holds it (a second pod on the same
 checkpoint), so that two supervisors never fence each other in turn. An empty go file means
 takeover.
@@ -128,21 +129,27 @@ def wait_for_go(go: str, stop: threading.Event, poll_s: float = 0.02) -> bool:
     return False
 
 
-def promote(go: str, takeover: bool) -> None:
-    """Create the go file (atomically: the standby never reads half of it)."""
+def promote(go: str, holder: int | None) -> None:
+    """Create the go file (atomically: the standby never reads half of it). ``holder``: the
+    lease epoch of the dead driver the standby may take over (None: take nothing over)."""
     tmp = f"{go}.tmp"
     with open(tmp, "w") as f:
-        f.write(f"at={time.time():.3f} takeover={int(takeover)}\n")
+        f.write(f"at={time.time():.3f} takeover={int(holder is not None)} holder={holder or 0}\n")
     os.replace(tmp, go)
 
 
-def takes_over(go: str) -> bool:
-    """Whether the go file tells the promoted standby to take the lease over (see module doc)."""
+def takes_over(go: str) -> bool | int:
+    """How the go file tells the promoted standby to take the lease (see module doc): the
+    epoch it may take over, False for none, True (an empty or older go file) for any."""
     try:
         with open(go) as f:
-            return "takeover=0" not in f.read().split()
+            fields = dict(w.split("=", 1) for w in f.read().split() if "=" in w)
     except OSError:
         return True
+    if fields.get("takeover") == "0":
+        return False
+    holder = int(fields.get("holder") or 0)
+    return holder if holder > 0 else True
 
 
 def mark_ready(go: str, warm_s: float) -> None:

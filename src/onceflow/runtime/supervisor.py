@@ -370,25 +370,30 @@ class Supervisor:
     def _started(self, proc: subprocess.Popen) -> None:
         """Remember a process this supervisor started, by pid and start (see :meth:`_takeover`)."""
         self._mine[proc.pid] = process_start(proc.pid)
-        while len(self._mine) > 8:
+        while len(self._mine) > 64:  # the lease's holder is one of the last few started
             del self._mine[next(iter(self._mine))]
 
-    def _takeover(self) -> bool:
-        """Whether the promoted standby takes the lease over at once: only when its holder is a
-        driver this supervisor started (it has died, or it would not be promoting). A lease of
-        another supervisor's driver (a second pod on this checkpoint, whatever its host name or
-        PID namespace) is waited for like any driver waits, never taken: two supervisors must
-        not fence each other in turn. Unreadable store: no takeover (the standby waits it out)."""
+    def _takeover(self) -> int | None:
+        """The lease epoch the promoted standby takes over at once, if any: only that of a
+        driver this supervisor started (it has died, or it would not be promoting), and only
+        while that epoch is still the lease's newest. A lease of another supervisor's driver (a
+        second pod on this checkpoint, whatever its host name or PID namespace) is waited for
+        like any driver waits, never taken: two supervisors must not fence each other in turn.
+        Unreadable store: no takeover (the standby waits it out)."""
         rec = self._read(DriverLease(self.checkpoint, "onceflow-supervisor").top, None)
-        return rec is not None and any(written_by(rec, pid, st) for pid, st in self._mine.items())
+        if rec is None or not any(written_by(rec, pid, st) for pid, st in self._mine.items()):
+            return None
+        epoch = rec.get("epoch")
+        return epoch if isinstance(epoch, int) and epoch > 0 else None
 
     def _promote(self, attempt: int) -> tuple[subprocess.Popen, float]:
         """The standby becomes the active driver: with takeover when the lease is ours."""
         sb = self._standby
         assert sb is not None
         self._standby, self._memory_shown = None, False
-        takeover = self._takeover()
-        promote(sb.go, takeover)
+        holder = self._takeover()
+        promote(sb.go, holder)
+        takeover = holder is not None
         started = time.monotonic()
         self._proc, self._proc_done, self._active_started = sb.proc, False, started
         self._log_offset = self._read(self.events.size, None)

@@ -442,12 +442,36 @@ class Sink(ABC):
         depends on the session decides it here)."""
         return self
 
+    def prepare(self, df: Any) -> Any:
+        """The stream as this sink writes it (the runner calls it before checking the schema):
+        ``df`` itself unless the sink derives a column, such as an upsert's delete flag."""
+        return df
+
     def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],
                       overwrite: bool) -> Any:
         """The query's ``DataStreamWriter`` before the runner sets checkpoint location, output
         mode, trigger and name: the data source ``format_name`` with ``options``. ``source`` is
         the data source instance the runner opens (it holds the fencing epoch once opened)."""
         return df.writeStream.format(self.format_name).options(**options)
+
+    def write_stream(self, df: Any, checkpoint_location: str, output_mode: str = "append") -> Any:
+        """``df.writeStream`` into this sink for plain Spark code, set up as a Job sets it up:
+        the sink as it runs in ``df``'s session (:meth:`for_session`: a ``DeltaSink`` on a local
+        table gets Spark's own Parquet writer), the stream's schema checked, and the sink opened
+        now for the checkpoint's lineage (a new fencing epoch, so an older query of this
+        checkpoint can no longer decide, then recovery). Returns the ``DataStreamWriter`` with
+        checkpoint location and output mode set; add a trigger and ``start()`` it. Open it again
+        (call this again) for every start of the query."""
+        sink = self.for_session(df.sparkSession)
+        df = sink.prepare(df)
+        opts = dict(sink.options())
+        overwrite = output_mode == "complete"
+        source = sink.data_source({**opts, "checkpointlocation": checkpoint_location})
+        source.write_schema = df.schema
+        source.validate(df.schema, overwrite)
+        epoch = source.open(CheckpointDir(checkpoint_location).ensure_lineage())
+        return (sink.stream_writer(df, source, opts, overwrite).option("checkpointLocation", checkpoint_location)
+                .option("epoch", str(epoch)).outputMode(output_mode))
 
     def data_source(self, extra: Mapping[str, str] | None = None) -> TwoPhaseCommitSink:
         """The data source instance with these options (used for pre-flight checks)."""

@@ -52,6 +52,36 @@ def check_ids(ids: np.ndarray, expected: int) -> Report:
     )
 
 
+def check_upserts(table: pa.Table, events: int) -> Report:
+    """An upsert run's table against the events alone: each key ``k`` holds its last event
+    (the largest id of the key, see :func:`onceflow.verify.spec.upsert_keys`) with that
+    event's payload, or is absent when that event deletes it. ``expected``: keys that must be
+    present; ``duplicates``: rows beyond one per key; ``missing``: keys absent or holding an
+    older event (a lost or re-applied batch); ``unexpected``: keys present that were deleted
+    or never written; ``corrupted``: rows whose payload or checksum is not their id's."""
+    from onceflow.verify.spec import DELETE_AT, DELETE_EVERY, checksum, payload, upsert_keys
+
+    keys = upsert_keys(events)
+    k_all = np.arange(keys, dtype=np.int64)
+    last = k_all + keys * ((events - 1 - k_all) // keys)  # the newest event of each key
+    alive = last % DELETE_EVERY != DELETE_AT
+    got_k = table.column("k").to_numpy(zero_copy_only=False).astype(np.int64)
+    got_id = table.column("id").to_numpy(zero_copy_only=False).astype(np.int64)
+    in_range = (got_k >= 0) & (got_k < keys)
+    counts = np.bincount(got_k[in_range], minlength=keys)
+    held = np.full(keys, -1, dtype=np.int64)
+    held[got_k[in_range]] = got_id[in_range]
+    wrong = np.flatnonzero(alive & ((counts == 0) | (held != last)))
+    resurrected = int(np.count_nonzero(~alive & (counts > 0))) + int(np.count_nonzero(~in_range))
+    bad = [i for i, p, c in zip(got_id.tolist(), table.column("payload").to_pylist(),
+                                table.column("checksum").to_pylist(), strict=True)
+           if p is None or c is None or p != payload(i) or c != checksum(p)]
+    return Report(expected=int(alive.sum()), committed=table.num_rows, distinct=int(np.count_nonzero(counts)),
+                  duplicates=int((counts[counts > 1] - 1).sum()), missing=int(wrong.size),
+                  unexpected=resurrected, corrupted=len(bad), sample_corrupted=bad[:10],
+                  sample_missing=wrong[:10].tolist(), sample_duplicates=np.flatnonzero(counts > 1)[:10].tolist())
+
+
 def check_running_counts(table: pa.Table) -> int:
     """Rows whose ``running_count`` is not its rank by id within its key (0 when state is exact)."""
     if "running_count" not in table.column_names or table.num_rows == 0:

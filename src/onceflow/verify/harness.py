@@ -29,7 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import ConfigError, OnceflowError
 from onceflow.verify import procs, setup
-from onceflow.verify.exactly_once import Report, check_events
+from onceflow.verify.exactly_once import Report, check_events, check_upserts
 from onceflow.verify.faults import FAULTS, FaultMissed
 from onceflow.verify.readers import dangling, read_output
 from onceflow.verify.spec import Options, VerifySpec
@@ -203,7 +203,8 @@ class Harness:
             events = list(self.events())  # before a tmpfs checkpoint is unmounted
         ended = time.time()
         table = read_output(self.spec)
-        report = check_events(table, self.spec.events)
+        report = (check_upserts(table, self.spec.events) if self.spec.sink == "delta-upsert"
+                  else check_events(table, self.spec.events))
         commits = [(e["ts"], e["rows"]) for e in events if e["event"] == "sink_commit" and not e.get("replay")]
         for r in records:
             r.recovered = next((c["ts"] for c in events if c["event"] == "sink_commit" and r.recovered_by(c)), None)

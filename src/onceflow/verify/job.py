@@ -16,7 +16,7 @@ from onceflow import (
     fixed_delay,
 )
 from onceflow.sinks.base import Sink
-from onceflow.verify.spec import SALT, VerifySpec
+from onceflow.verify.spec import DELETE_AT, DELETE_EVERY, SALT, VerifySpec, upsert_keys
 
 #: payload(i) and crc32(payload(i)), as Spark SQL computes them from ``id``
 PAYLOAD_SQL = f"substr(sha2(concat('{SALT}', CAST(id AS STRING)), 256), 1, 32)"
@@ -43,13 +43,20 @@ def transform(df):
     else:
         df = df.selectExpr("id", f"{PAYLOAD_SQL} AS payload").selectExpr(
             "id", "payload", "crc32(payload) AS checksum")
-    if VerifySpec.from_env().sink.startswith("kafka"):
+    spec = VerifySpec.from_env()
+    if spec.sink == "delta-upsert":  # CDC: key, and whether the event deletes it
+        return df.selectExpr(f"id % {upsert_keys(spec.events)} AS k", "id", "payload", "checksum",
+                             f"CASE WHEN id % {DELETE_EVERY} = {DELETE_AT} THEN 'd' ELSE 'u' END AS op")
+    if spec.sink.startswith("kafka"):
         return df.selectExpr("CAST(id AS STRING) AS key",
                              "concat_ws(',', CAST(id AS STRING), payload, CAST(checksum AS STRING)) AS value")
     return df
 
 
 def sink(spec: VerifySpec) -> Sink:
+    if spec.sink == "delta-upsert":
+        return DeltaSink(spec.table, sink_id=spec.sink_id, write="upsert", keys=["k"], order_by="id",
+                         delete_when="op = 'd'")
     if spec.sink.startswith("delta"):
         return DeltaSink(spec.table, sink_id=spec.sink_id, writer="jvm" if spec.sink == "delta-jvm" else "arrow")
     if spec.sink.startswith("postgres"):

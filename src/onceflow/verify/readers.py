@@ -10,12 +10,15 @@
   broker probe warns about). Dangling: not observable from a client (open transactions are
   aborted by the broker's transaction timeout), reported as none.
 
-Each reader returns a table ``(id int64, payload string, checksum int64)``.
+Each reader returns a table ``(id int64, payload string, checksum int64)``, with the key ``k``
+first for upsert runs.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 import uuid
 from urllib.parse import unquote
@@ -50,21 +53,47 @@ def _read_delta(spec: VerifySpec) -> pa.Table:
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
+    upsert = spec.sink == "delta-upsert"
+    schema = SCHEMA.insert(0, pa.field("k", pa.int64())) if upsert else SCHEMA
     try:
-        table = DeltaTable(spec.table).to_pyarrow_table(columns=["id", "payload", "checksum"])
+        table = DeltaTable(spec.table).to_pyarrow_table(columns=schema.names)
     except TableNotFoundError:  # nothing was ever committed
-        return SCHEMA.empty_table()
-    return table.cast(SCHEMA)
+        return schema.empty_table()
+    return table.cast(schema)
+
+
+#: the data files delta-rs's MERGE writes (onceflow's own are named ``part-of-<lineage>-...``)
+_MERGE_FILE = re.compile(r"part-\d{5}-[0-9a-f-]{36}-c\d{3}(\.\w+)?\.parquet")
 
 
 def _delta_orphans(spec: VerifySpec) -> list[str]:
-    return delta_dangling(spec.table)
+    """onceflow's unresolved files. For upserts, data files of a MERGE whose commit lost (a
+    zombie's, or one that lost a race to another writer) are not counted: delta-rs writes them
+    before its commit and leaves them, unreferenced and invisible, to the table's VACUUM, as
+    Spark's Delta MERGE does (docs/delta-sink.md)."""
+    found = delta_dangling(spec.table)
+    if spec.sink == "delta-upsert":
+        found = [f for f in found if not _MERGE_FILE.fullmatch(f.rsplit("/", 1)[-1])]
+    return found
+
+
+def _removed(table: str) -> set[str]:
+    """Paths of the remove actions in the table's JSON log entries."""
+    out: set[str] = set()
+    log_dir = os.path.join(table, "_delta_log")
+    for name in os.listdir(log_dir) if os.path.isdir(log_dir) else ():
+        if name.endswith(".json"):
+            with open(os.path.join(log_dir, name)) as f:
+                out |= {unquote(a["remove"]["path"]) for a in map(json.loads, f) if "remove" in a}
+    return out
 
 
 def delta_dangling(table: str) -> list[str]:
     """What a local Delta table directory holds that no log entry adds: Parquet files the log
     does not list, and directories (the JVM write path's per-attempt directories, possibly
-    half-written) none of whose files the log lists, named with a trailing ``/``."""
+    half-written) none of whose files the log lists, named with a trailing ``/``. Files that a
+    later version removed (an upsert's MERGE rewrites files) are the log's, kept for time
+    travel until a VACUUM: not dangling."""
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -74,7 +103,7 @@ def delta_dangling(table: str) -> list[str]:
         adds = pa.table(DeltaTable(table).get_add_actions(flatten=True)).column("path").to_pylist()
     except TableNotFoundError:
         adds = []
-    live = {unquote(p) for p in adds}  # the log's paths are URIs (partition directories escape)
+    live = {unquote(p) for p in adds} | _removed(table)  # the log's paths are URIs (escaped)
     live_dirs = {p.split("/", 1)[0] for p in live if "/" in p}
     out = []
     for name in os.listdir(table):

@@ -48,13 +48,14 @@ def to_json(result: VerifyResult) -> str:
 def print_report(result: VerifyResult, console: Console) -> None:
     s = summary(result)
     t = Table(title=f"onceflow verify: {s['pipeline']} (seed {s['seed']}), independent check", show_header=False)
+    upsert = result.spec.sink == "delta-upsert"  # the same checks, per key (check_upserts)
     rows = [
-        ("events generated", f"{s['events_generated']:,}"),
-        ("events committed", f"{s['events_committed']:,}"),
-        ("duplicates", f"{s['duplicates']:,}"),
-        ("missing", f"{s['missing']:,}"),
+        ("keys expected present" if upsert else "events generated", f"{s['events_generated']:,}"),
+        ("rows in the table" if upsert else "events committed", f"{s['events_committed']:,}"),
+        ("keys held twice" if upsert else "duplicates", f"{s['duplicates']:,}"),
+        ("keys missing or not at their last event" if upsert else "missing", f"{s['missing']:,}"),
         ("corrupted payloads", f"{s['corrupted_payloads']:,}"),
-        ("ids never generated", f"{s['unexpected_ids']:,}"),
+        ("deleted or unknown keys present" if upsert else "ids never generated", f"{s['unexpected_ids']:,}"),
         ("records processed incl. replays", f"{s['records_processed_incl_replays']:,}"),
         ("faults injected", str(s["faults"])),
         ("restarts (driver and query)", str(s["restarts"])),

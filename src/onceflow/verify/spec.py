@@ -23,14 +23,25 @@ from onceflow.settings import setting
 SOURCES = ("sequence", "kafka")
 #: sink kinds; ``delta`` is the Delta sink's Arrow write path, ``delta-jvm`` its JVM write path
 #: (what ``DeltaSink(path)`` runs for a local table in a Job); ``kafka-at_least_once`` is the
-#: deliberately non-exactly-once control
-SINKS = ("delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka", "kafka-at_least_once")
+#: deliberately non-exactly-once control; ``delta-upsert`` merges CDC events (see :func:`upsert_key`)
+SINKS = ("delta", "delta-jvm", "delta-upsert", "postgres-two_phase", "postgres-idempotent", "kafka",
+         "kafka-at_least_once")
 SALT = "onceflow-verify-"
 
 
 def payload(event_id: int) -> str:
     """The payload event ``event_id`` must arrive with."""
     return hashlib.sha256(f"{SALT}{event_id}".encode()).hexdigest()[:32]
+
+
+#: upsert runs: events per key (event ``i`` is of key ``i % keys``, ``keys = events // 4``), and
+#: every event ``i`` with ``i % DELETE_EVERY == DELETE_AT`` deletes its key
+EVENTS_PER_KEY, DELETE_EVERY, DELETE_AT = 4, 11, 5
+
+
+def upsert_keys(events: int) -> int:
+    """How many keys an upsert run's ``events`` events update."""
+    return max(1, events // EVENTS_PER_KEY)
 
 
 def checksum(text: str) -> int:

@@ -216,9 +216,13 @@ class DriverLease:
         self._acquired_at = self._renewed_at = started
         return True
 
-    def acquire(self, takeover: bool = False, wait_s: float | None = None,
+    def acquire(self, takeover: bool | int = False, wait_s: float | None = None,
                 stop: threading.Event | None = None) -> DriverLease:
         """Take the next epoch; FencedError while a live driver holds the lease.
+
+        ``takeover``: ``True`` takes the lease whoever holds it (fencing them); an epoch ``E``
+        takes it over only from the holder of epoch E (a dead driver the caller's supervisor
+        started): if someone else took the lease since, it is judged like any holder.
 
         ``wait_s`` (default ``ONCEFLOW_LEASE_WAIT_S``, else 0): wait that long for a live
         holder's lease to lapse, standing by (one log line every 30 s says so). A holder
@@ -241,7 +245,10 @@ class DriverLease:
                 epochs = self._epochs()
                 top = epochs[-1] if epochs else 0
                 found = self._read(top) if epochs else None
-                verdict, why = (Verdict.FREE, "takeover") if takeover else self._judge(top, found)
+                if takeover is True or (takeover is not False and top == takeover):
+                    verdict, why = Verdict.FREE, "takeover"
+                else:
+                    verdict, why = self._judge(top, found)
                 if verdict is Verdict.FREE and self._create(top + 1):
                     break
             except StoreUnavailable as e:

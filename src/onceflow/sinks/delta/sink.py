@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from onceflow.errors import ConfigError
 from onceflow.sinks.base import Sink, TwoPhaseCommitSink
+from onceflow.sinks.delta.upsert import DELETE_COLUMN
 from onceflow.storage import as_options, normalize_url, resolve, scheme_of
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,11 @@ class DeltaSink(Sink):
     ``schema_mode``: ``strict`` (default; the stream's columns must be the table's) or
     ``merge`` (new columns are added as nullable, narrower types widened, in the commit of
     the batch that brings them).
+    ``write``: ``append`` (default) or ``upsert``: each batch is one MERGE on ``keys`` (the
+    last event per key in the batch wins: the largest ``order_by`` value, ties broken by the
+    batch's order); ``delete_when``, a SQL predicate over the stream's columns (for example
+    ``"op = 'd'"``), makes a winning event delete its key. Exactly-once as appends: a batch
+    merged twice changes nothing (docs/delta-sink.md, "Upserts and deletes").
     """
 
     path: str
@@ -47,6 +53,10 @@ class DeltaSink(Sink):
     writer: Literal["auto", "arrow", "jvm"] = "auto"
     partition_by: Sequence[str] | None = None
     schema_mode: Literal["strict", "merge"] = "strict"
+    write: Literal["append", "upsert"] = "append"
+    keys: Sequence[str] | None = None
+    delete_when: str | None = None
+    order_by: str | None = None
 
     format_name = "onceflow-delta"
 
@@ -60,6 +70,17 @@ class DeltaSink(Sink):
             raise ConfigError(f"DeltaSink.partition_by={self.partition_by!r}; give a list of column names")
         if self.schema_mode not in ("strict", "merge"):
             raise ConfigError(f"DeltaSink.schema_mode={self.schema_mode!r}; use 'strict' or 'merge'")
+        if isinstance(self.keys, str):
+            self.keys = [self.keys]
+        if self.write not in ("append", "upsert"):
+            raise ConfigError(f"DeltaSink.write={self.write!r}; use 'append' or 'upsert'")
+        if self.write == "upsert":
+            if not self.keys or not all(isinstance(c, str) and c for c in self.keys):
+                raise ConfigError("DeltaSink(write='upsert') needs keys=[...], the columns that identify a row")
+            if self.writer == "jvm":
+                raise ConfigError("DeltaSink(write='upsert') runs on the arrow writer; leave writer out")
+        elif self.keys or self.delete_when or self.order_by:
+            raise ConfigError("DeltaSink: keys, delete_when and order_by apply to write='upsert' only")
 
     def options(self) -> dict[str, str]:
         opts = {"path": str(self.path), "sink_id": self.sink_id}
@@ -71,24 +92,48 @@ class DeltaSink(Sink):
             opts["partition_by"] = json.dumps(list(self.partition_by))
         if self.schema_mode != "strict":
             opts["schema_mode"] = self.schema_mode
+        if self.write == "upsert":
+            opts["write"], opts["keys"] = "upsert", json.dumps(list(self.keys or ()))
+            if self.order_by:
+                opts["order_by"] = self.order_by
+            if self.delete_when:
+                opts["delete_column"] = DELETE_COLUMN
         resolved = resolve(str(self.path), self.storage_options)  # executors have no job
         if resolved:
             opts["storage_options"] = json.dumps(resolved)
         return opts
 
+    def prepare(self, df: Any) -> Any:
+        """With ``delete_when``: the stream plus its boolean delete flag, computed by Spark."""
+        if not self.delete_when:
+            return df
+        from pyspark.errors import PySparkException
+        from pyspark.sql import functions as F
+
+        if DELETE_COLUMN in df.columns:
+            raise ConfigError(f"DeltaSink: the stream has a column {DELETE_COLUMN}, which delete_when computes")
+        try:
+            out = df.withColumn(DELETE_COLUMN, F.expr(self.delete_when).cast("boolean"))
+            out.schema  # noqa: B018 - analyse now: a bad predicate fails here, in one line
+        except PySparkException as e:
+            first = str(e).strip().splitlines()[0]
+            raise ConfigError(f"DeltaSink(delete_when={self.delete_when!r}) is not a SQL predicate over the "
+                              f"stream's columns ({', '.join(df.columns)}): {first}") from None
+        return out
+
     def for_session(self, spark: Any) -> DeltaSink:
         """``writer="auto"`` decided for ``spark``: ``jvm`` on a classic session for a local
-        table, else ``arrow``."""
+        table (appends), else ``arrow``."""
         if self.writer != "auto":
             return self
         from onceflow.spark import is_connect
 
         local = scheme_of(normalize_url(str(self.path))) in ("", "file")
+        why = ("upserts merge on the driver" if self.write == "upsert" else "not a local table" if not local
+               else "Spark Connect" if is_connect(spark) else "a local table on a classic session")
         decided = copy.copy(self)  # a copy: a subclass may take other constructor arguments
-        decided.writer = "jvm" if local and not is_connect(spark) else "arrow"
-        log.info("onceflow-delta %s: writer=auto runs the %s writer (%s)", self.path, decided.writer,
-                 "a local table on a classic session" if decided.writer == "jvm"
-                 else "Spark Connect" if local else "not a local table")
+        decided.writer = "jvm" if why.startswith("a local") else "arrow"
+        log.info("onceflow-delta %s: writer=auto runs the %s writer (%s)", self.path, decided.writer, why)
         return decided
 
     def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],

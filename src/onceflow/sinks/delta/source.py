@@ -21,7 +21,9 @@ epoch (FencedError). Task files and attempt directories carry their writer's epo
 name; recovery deletes only orphans of older epochs, so a zombie never deletes a successor's.
 
 Modes: ``append`` adds the batch's rows; ``complete`` replaces the table's contents with the
-batch's result in the same single commit. Guarantee for both: exactly-once.
+batch's result in the same single commit; ``write=upsert`` (:mod:`.upsert`) merges the batch's
+staged rows, the last event per key, in one MERGE that carries the same app transaction.
+Guarantee for all three: exactly-once.
 
 Partitioning (:mod:`.partitions`) and schema (:mod:`.evolution`) are those of the snapshot the
 decision commits on: every add must carry exactly that snapshot's partition columns and the
@@ -34,8 +36,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -49,8 +49,9 @@ from pyspark.sql.types import StructType
 
 from onceflow.errors import ConfigError, OnceflowError, SinkError
 from onceflow.faults import maybe_crash
-from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
-from onceflow.sinks.delta.evolution import SCHEMA_MODES, arrow_of, merged_schema_json, plan
+from onceflow.sinks.base import Decision, TaskInfo, fenced
+from onceflow.sinks.delta.access import DeltaTableAccess
+from onceflow.sinks.delta.evolution import arrow_of, merged_schema_json
 from onceflow.sinks.delta.files import (
     add_files,
     commit_meta,
@@ -65,16 +66,14 @@ from onceflow.sinks.delta.files import (
     to_arrow_schema,
     unit,
 )
-from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
-from onceflow.sinks.delta.partitions import check_columns, parse_partition_by
+from onceflow.sinks.delta.log import LogSnapshot
 from onceflow.sinks.delta.tasks import write_file, write_partitioned
-from onceflow.storage import as_options, delta_target, normalize_url, scheme_of, url_to_fs
+from onceflow.sinks.delta.upsert import last_per_key, merge, read_staged, staged_rule
+from onceflow.storage import scheme_of
 
 log = logging.getLogger(__name__)
 
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}  # _decided_here
-_TABLES: dict[tuple[str, str], tuple[DeltaTable, Any]] = {}  # per process: see DeltaDataSource._table
-_TABLES_LOCK = threading.Lock()
 _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked against
 #: log versions whose decisions recovery reads to sweep late files of earlier batches
 _SWEEP_VERSIONS = 256
@@ -82,7 +81,7 @@ _SWEEP_VERSIONS = 256
 _MAX_CONFLICTS = 100
 
 
-class DeltaDataSource(TwoPhaseCommitSink):
+class DeltaDataSource(DeltaTableAccess):
     """``df.writeStream.format("onceflow-delta").option("path", URL)``."""
 
     format_name = "onceflow-delta"
@@ -100,153 +99,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
                         "the existing table's; a different one is refused)",
         "schema_mode": "strict (default: the stream's columns are the table's) or merge (add new "
                        "nullable columns, widen narrower types, in the batch's own commit)",
+        "write": "append (default) or upsert (one MERGE per batch on keys; the last event per key wins)",
+        "keys": "upsert: the columns that identify a row, a JSON list or comma-separated",
+        "order_by": "upsert: a column ordering a key's events within a batch (largest wins; default: "
+                    "the batch's order)",
+        "delete_column": "upsert: a boolean column; a winning event where it is true deletes the key "
+                         "(DeltaSink(delete_when=SQL) computes it)",
     }
-
-    def __init__(self, options):
-        super().__init__(options)
-        self.table_url = normalize_url(self.opts["path"].rstrip("/"))
-        self.storage_options = as_options(self.opts.get("storage_options") or None,
-                                          "onceflow-delta: option storage_options")
-        self._delta_url, self._delta_opts = delta_target(self.table_url, self.storage_options)
-        self.sink_id = self.opts.get("sink_id", "delta")
-        mode = self.opts.get("mode") or None
-        if mode not in (None, "append", "complete"):
-            raise ConfigError(f"onceflow-delta: mode={mode!r}; use 'append' or 'complete'")
-        self.mode = mode
-        self.writer = self.opts.get("writer") or "arrow"
-        if self.writer not in ("arrow", "jvm"):
-            raise ConfigError(f"onceflow-delta: writer={self.writer!r}; use 'arrow' or 'jvm'")
-        try:
-            self.row_group_rows = int(self.opts.get("row_group_rows", 1_000_000))
-        except ValueError:
-            raise ConfigError("onceflow-delta: row_group_rows must be a whole number") from None
-        self.partition_by = parse_partition_by(self.opts.get("partition_by"))
-        self.schema_mode = self.opts.get("schema_mode") or "strict"
-        if self.schema_mode not in SCHEMA_MODES:
-            raise ConfigError(f"onceflow-delta: schema_mode={self.schema_mode!r}; use 'strict' or 'merge'")
-
-    def app_id(self, lineage: str) -> str:
-        return f"onceflow-{self.sink_id}-{lineage}"
-
-    def epoch_app_id(self, lineage: str) -> str:
-        return f"onceflow-{self.sink_id}-{lineage}-epoch"
-
-    def _table(self) -> DeltaTable | None:
-        """The table at its latest version, or None when it does not exist yet.
-
-        Loaded once per process and then brought up to date incrementally (only the log
-        entries since the last look are read), as long as the log entry of the version it
-        holds is still the one it read (same file for local tables: a table deleted and
-        created again is noticed even when its log is as long); otherwise loaded afresh.
-        Every decision is still checked against, and committed on top of, the snapshot this
-        returns (see :meth:`decide`)."""
-        key = (self._delta_url, json.dumps(self._delta_opts, sort_keys=True, default=str))
-        with _TABLES_LOCK:
-            held = _TABLES.get(key)
-            if held is not None:
-                table, mark = held
-                try:
-                    if self._log_mark(table.version()) == mark:
-                        table.update_incremental()
-                        _TABLES[key] = (table, self._log_mark(table.version()))
-                        return table
-                except Exception:  # noqa: BLE001 - any doubt: load it afresh
-                    pass
-                _TABLES.pop(key, None)
-            try:
-                table = DeltaTable(self._delta_url, storage_options=self._delta_opts)
-            except TableNotFoundError:
-                return None
-            _TABLES[key] = (table, self._log_mark(table.version()))
-            return table
-
-    def _log_mark(self, version: int) -> Any:
-        """What identifies the log entry of ``version``: (inode, mtime) of a local file,
-        else whether it exists (None: it does not)."""
-        fs, path = self._fs()
-        entry = f"{path}/_delta_log/{version:020d}.json"
-        if scheme_of(self.table_url) in ("", "file"):
-            try:
-                st = os.stat(entry)
-            except FileNotFoundError:
-                return None
-            return st.st_ino, st.st_mtime_ns
-        return fs.exists(entry) or None
-
-    def _fs(self):
-        return url_to_fs(self.table_url, self.storage_options)
-
-    def _local_log(self) -> LocalLog | None:
-        """The constant-cost log of a local table (:mod:`onceflow.sinks.delta.log`), else None."""
-        if scheme_of(self.table_url) not in ("", "file"):
-            return None
-        root = self.__dict__.get("_local_root")
-        if root is None:
-            root = self.__dict__["_local_root"] = self._fs()[1]
-        return local_log(root)
-
-    def _view(self, lineage: str, fast: bool = True) -> LogSnapshot | DeltaTable | None:
-        """The latest state for the decision checks of ``lineage`` (None: no table yet).
-
-        ``fast``: a :class:`LogSnapshot` when the table is local and onceflow can append to its
-        log, at the cost of two ``stat`` calls while no one else commits; otherwise (and for
-        commits that delta-rs must make) the delta-rs table, brought up to date."""
-        apps = (self.app_id(lineage), self.epoch_app_id(lineage))
-        local = self._local_log() if fast else None
-        if local is not None:
-            snap = local.snapshot(apps)
-            if snap is not None:
-                return snap
-        table = self._table()
-        if table is not None and local is not None:
-            return local.sync(table, apps) or table
-        return table
-
-    def _checkpoint_log(self, local: LocalLog, version: int) -> None:
-        """Every ``delta.checkpointInterval`` versions appended by :class:`LocalLog`: a
-        checkpoint and expired-entry clean-up by delta-rs (its post-commit hook's work)."""
-        if version % local.interval:
-            return
-        try:
-            table = self._table()
-            if table is not None:
-                table.create_checkpoint()
-                if local.cleanup:
-                    table.cleanup_metadata()
-        except Exception as e:  # noqa: BLE001 - an optimisation for readers; the commit stands
-            log.warning("onceflow-delta: checkpoint of %s at version %d failed (retried in %d "
-                        "versions): %s", self.table_url, version, local.interval, e)
-
-    # ---- partitioning and schema ------------------------------------------------------
-
-    @staticmethod
-    def _shape(view: LogSnapshot | DeltaTable | None) -> tuple[tuple[str, ...], str] | None:
-        """(partition columns, Delta schema string) of the table at ``view``; None: no table."""
-        if view is None:
-            return None
-        if isinstance(view, LogSnapshot):
-            return view.partition_columns, view.schema_json
-        return tuple(view.metadata().partition_columns), view.schema().to_json()
-
-    def write_plan(self, view: LogSnapshot | DeltaTable | None, schema: StructType
-                   ) -> tuple[tuple[str, ...], pa.Schema, list[str]]:
-        """(partition columns, schema of the files, stream columns the table lacks) for a
-        write of ``schema`` to the table at ``view``: the existing table's partitioning (a
-        different ``partition_by`` is refused), else ``partition_by``."""
-        stream = to_arrow_schema(schema)
-        shape = self._shape(view)
-        if shape is None:
-            parts = self.partition_by or ()
-            check_columns(stream, parts, "onceflow-delta")
-            return parts, stream, []
-        parts, schema_json = shape
-        if self.partition_by is not None and tuple(self.partition_by) != parts:
-            raise ConfigError(
-                f"onceflow-delta: partition_by={list(self.partition_by)} but table {self.table_url} "
-                f"is partitioned by {list(parts)}; leave partition_by out (the table's is used) or use a new table")
-        target, new = plan(stream, arrow_of(schema_json), self.schema_mode, "onceflow-delta", self.table_url)
-        check_columns(target, parts, "onceflow-delta")
-        return parts, target, new
 
     # ---- validation -----------------------------------------------------------------
 
@@ -263,6 +122,15 @@ class DeltaDataSource(TwoPhaseCommitSink):
         return super().streamWriter(schema, overwrite)
 
     def validate(self, schema: StructType, overwrite: bool) -> None:
+        if self.upsert is not None:
+            if overwrite or self.mode == "complete":
+                raise ConfigError("onceflow-delta: write='upsert' merges each batch into the table; "
+                                  "complete mode replaces it: use one or the other")
+            if self.writer == "jvm":
+                raise ConfigError("onceflow-delta: write='upsert' runs on the arrow writer; leave "
+                                  "writer out (auto) or use writer='arrow'")
+            self.upsert.check(to_arrow_schema(schema), "onceflow-delta")
+            schema = self._table_struct(schema)
         if self.writer == "jvm" and scheme_of(self.table_url) not in ("", "file"):
             raise ConfigError(
                 f"onceflow-delta: writer='jvm' writes through Spark's Hadoop filesystem and supports "
@@ -293,7 +161,7 @@ class DeltaDataSource(TwoPhaseCommitSink):
                 raise ConfigError(f"onceflow-delta: cannot create {self.table_url}: {e}") from None
             return
         _, _, new = self.write_plan(table, schema)
-        if new and not overwrite:
+        if new and not overwrite and self.upsert is None:  # a MERGE adds columns itself
             protocol = table.protocol()
             if scheme_of(self.table_url) not in ("", "file") or protocol.min_writer_version > 2 \
                     or protocol.writer_features:
@@ -315,9 +183,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
         """One file (unpartitioned) or one directory of partition files (:mod:`.tasks`), in
         the partitioning and schema of the table as this task saw it (decide checks both)."""
+        fs, path = self._fs()
+        if self.upsert is not None:  # staged for the decision's MERGE, in the stream's schema
+            name = file_name(task, self.epoch)
+            rows = write_file(fs, f"{path}/{name}", to_arrow_schema(schema), batches, self.row_group_rows, False)
+            return ({"path": name, "task": task.partition, "rows": rows} if rows else None), rows
         view = self.__dict__.pop("_task_view", None) or self._view(task.lineage)
         parts, target, _ = self.write_plan(view, schema)
-        fs, path = self._fs()
         fs.makedirs(path, exist_ok=True)
         if parts:
             name = dir_name(task.lineage, self.epoch, task.batch_id)
@@ -364,9 +236,10 @@ class DeltaDataSource(TwoPhaseCommitSink):
                     if self.write_schema is None:
                         raise ConfigError(f"onceflow-delta: {self.table_url} does not exist and the "
                                           "stream's schema is unknown; start the query to create it")
-                    parts, _, _ = self.write_plan(None, self.write_schema)
+                    created = self._table_struct(self.write_schema)
+                    parts, _, _ = self.write_plan(None, created)
                     create_table_with_add_actions(
-                        self._delta_url, delta_schema(to_arrow_schema(self.write_schema)), [],
+                        self._delta_url, delta_schema(to_arrow_schema(created)), [],
                         mode="append", partition_by=list(parts) or None,
                         storage_options=self._delta_opts, commit_properties=props)
                 else:
@@ -401,8 +274,9 @@ class DeltaDataSource(TwoPhaseCommitSink):
             "fingerprint": decision.fingerprint, "files": [h["path"] for h in decision.handles],
         }
         app, epoch_app = self.app_id(decision.lineage), self.epoch_app_id(decision.lineage)
-        local = None if overwrite else self._local_log()
+        local = None if overwrite or self.upsert else self._local_log()
         what = f"decide batch {decision.batch_id}"
+        staged: list[pa.Table | None] = []  # an upsert's rows, read once for every attempt
         for _ in range(_MAX_CONFLICTS):
             view = self._view(decision.lineage, fast=local is not None)
             current = None if view is None else view.transaction_version(epoch_app)
@@ -419,9 +293,13 @@ class DeltaDataSource(TwoPhaseCommitSink):
                     return  # our own earlier attempt landed
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current,
                              f"{what} (already decided by another commit)")
-            files = add_files(decision.handles)
-            schema_json = self._decided_shape(view, files, schema)
             try:
+                if self.upsert is not None:
+                    self._merge(view, decision, meta, staged)
+                    self._remember(decision)
+                    return
+                files = add_files(decision.handles)
+                schema_json = self._decided_shape(view, files, schema)
                 if isinstance(view, LogSnapshot):
                     assert local is not None
                     landed = local.append(view, files, app, decision.batch_id, meta, schema_json)
@@ -439,6 +317,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
                 self._remember(decision)
                 return
             except CommitFailedError:
+                log.debug("onceflow-delta: batch %d lost a commit race on %s; read again", decision.batch_id,
+                          self.table_url)
                 continue
             except OnceflowError:
                 raise
@@ -491,6 +371,26 @@ class DeltaDataSource(TwoPhaseCommitSink):
         table.create_write_transaction(adds, "overwrite" if overwrite else "append", written,
                                        partition_by=list(parts) or None, commit_properties=props)
 
+    def _merge(self, table: DeltaTable, decision: Decision, meta: dict[str, Any],
+               staged: list[pa.Table | None]) -> None:
+        """An upsert's decision: one MERGE of the batch's staged rows (the last per key) on top
+        of exactly ``table``'s version, with the batch's app transaction (:mod:`.upsert`)."""
+        assert self.upsert is not None
+        if not staged:
+            fs, path = self._fs()
+            rows = read_staged(fs, path, decision.handles)
+            staged.append(None if rows is None else last_per_key(rows, self.upsert))
+        props = CommitProperties(
+            custom_metadata={"onceflow": json.dumps(meta)},
+            app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],
+            max_commit_retries=0,
+        )
+        if staged[0] is None:  # no rows: the decision alone
+            table.create_write_transaction([], "append", pa.schema(table.schema().to_arrow()), commit_properties=props)
+            return
+        stats = merge(table, staged[0], self.upsert, props, self.schema_mode == "merge")
+        log.debug("onceflow-delta: batch %d merged into %s: %s", decision.batch_id, self.table_url, stats)
+
     def _decided_here(self, lineage: str) -> OrderedDict[int, frozenset[str]]:
         """The files of the last :data:`_DECIDED_KEPT` batches decided or committed under this
         driver's epoch in this process (and those recovery read): a file of such a batch that
@@ -518,6 +418,9 @@ class DeltaDataSource(TwoPhaseCommitSink):
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
+            return
+        if self.upsert is not None:  # staged rows are merged: every staged file up to here goes
+            self._remove_files(decision.lineage, staged_rule(decision.batch_id, self.epoch))
             return
         self._remember(decision)  # a replay's too: its late files are swept by later commits
         keep = {unit(h["path"]) for h in decision.handles}
@@ -551,6 +454,8 @@ class DeltaDataSource(TwoPhaseCommitSink):
         version = table.transaction_version(self.app_id(lineage))
         last = -1 if version is None else version
         keep = {unit(h["path"]) for h in in_flight if h}
+        if self.upsert is not None:
+            return {"orphans_removed": self._remove_files(lineage, staged_rule(last, mine, keep))}
         decided = recent_decisions(table, lineage, _SWEEP_VERSIONS) if last >= 0 else {}
         last_files: set[str] | None = set()
         if last in decided:

@@ -22,20 +22,12 @@ import psycopg
 from psycopg import sql
 
 from onceflow.errors import FencedError, OnceflowError
+from onceflow.sinks.checks import CheckResult
 from onceflow.sinks.postgres.dsn import split_dsn, where
 from onceflow.sinks.postgres.fence import backends
 from onceflow.sinks.postgres.source import GID, PostgresDataSource
 from onceflow.sinks.postgres.stage import stage_tables
 from onceflow.sinks.postgres.task import SLOT_RULE
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """One doctor check: ``ok`` False means the user has something to do (``detail`` says what)."""
-
-    name: str
-    ok: bool
-    detail: str
 
 
 @dataclass
