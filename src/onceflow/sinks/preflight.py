@@ -27,21 +27,10 @@ def _writable_ancestor(path: str) -> str | None:
 
 
 def _delta(src: Any, schema: StructType, overwrite: bool) -> list[str]:
-    from onceflow.sinks.delta.files import parse_unit
-
-    if src.mode is not None and src.mode != src._mode(overwrite):
-        raise ConfigError(f"onceflow-delta: sink mode {src.mode!r} does not match the query's output "
-                          f"mode ({'complete' if overwrite else 'append/update'})")
+    src.validate(schema, overwrite, create=False)  # its own checks, without creating the table
     table = src._table()
     if table is not None:
-        src.validate(schema, overwrite)  # read-only for an existing table
         return [f"Delta table {src.table_url}: version {table.version()}, the stream's columns fit"]
-    fs, path = src._fs()
-    if fs.exists(path) and [n for n in fs.ls(path, detail=False)
-                            if not parse_unit(n.rstrip("/").rsplit("/", 1)[-1])]:
-        raise ConfigError(f"onceflow-delta: {src.table_url} exists and is not a Delta table (no "
-                          "_delta_log); give an empty or new directory, or an existing Delta table")
-    src.write_plan(None, schema)
     if "://" not in src.table_url or src.table_url.startswith("file:"):
         local = src.table_url.split("://", 1)[-1]
         if _writable_ancestor(local) is None:
