@@ -4,7 +4,9 @@
 ``ONCEFLOW_LOG_FORMAT``, which every process it starts inherits; each process calls
 :func:`configure` with its role. ``json`` writes one object per line (``time`` in UTC ISO 8601,
 ``level``, ``logger``, ``message``, ``role``, ``job``, ``pid``, and ``exc`` with a traceback)
-for log shippers; ``text`` is ``<time> <role> <LEVEL> <message>``.
+for log shippers; ``text`` is ``<time> <role> <LEVEL> <message>``. The Spark JVM's own lines
+(log4j, on the same stderr) are not onceflow's to format: ``ONCEFLOW_SPARK_LOG_LEVEL`` sets
+their level.
 """
 
 from __future__ import annotations
