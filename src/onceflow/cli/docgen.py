@@ -2,15 +2,17 @@
 
 One page from the code's own registries: every command and option of the ``onceflow`` CLI
 (click), every ``ONCEFLOW_*`` environment variable (:data:`onceflow.settings.SETTINGS`), the
-options of every sink (their data sources' ``options_doc`` and the common options) and of
+fields of ``Job`` and ``CheckpointConfig`` (dataclasses), the options of every sink (their data sources' ``options_doc`` and the common options) and of
 every source (their ``OPTIONS``). tests/test_configuration_doc.py checks the page is current.
 Run it with every extra installed (a sink whose extra is missing cannot be documented).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import re
 
 import click
 
@@ -58,8 +60,41 @@ def _options_table(options: dict[str, str]) -> list[str]:
             *[f"| `{name}` | {_cell(text)} |" for name, text in options.items()], ""]
 
 
+def _field_notes(cls: type) -> dict[str, str]:
+    """``#:`` comments above each field of dataclass ``cls`` (what Sphinx documents)."""
+    notes: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        text = line.strip()
+        if text.startswith("#:"):
+            pending.append(text[2:].strip())
+        elif (m := re.match(r"(\w+)\s*:", text)) and pending:
+            notes[m.group(1)] = " ".join(pending)
+            pending = []
+        else:
+            pending = []
+    return notes
+
+
+def _dataclass_table(cls: type) -> list[str]:
+    notes = _field_notes(cls)
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = repr(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = getattr(f.default_factory, "__name__", "factory") + "()"
+        else:
+            default = "required"
+        rows.append(f"| `{f.name}` | `{_cell(str(f.type))}` | `{_cell(default)}` | {_cell(notes.get(f.name))} |")
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    return [f"### `{cls.__name__}`", "", " ".join(doc.split()), "", *rows, ""]
+
+
 def render(main: click.Group) -> str:
     """The whole page (Markdown) for the ``onceflow`` command group ``main``."""
+    from onceflow.checkpoint.config import CheckpointConfig
+    from onceflow.job import Job
     from onceflow.sinks.base import COMMON_OPTIONS
     from onceflow.sinks.registry import SINKS, _load
 
@@ -70,8 +105,8 @@ def render(main: click.Group) -> str:
         "tests/test_configuration_doc.py checks it is current -->",
         "",
         "Every command and option of the `onceflow` CLI, every `ONCEFLOW_*` environment variable, "
-        "and the options of every sink and source. A job's own settings (`Job`, "
-        "`CheckpointConfig`, the sinks' constructors) are documented in their docstrings.",
+        "the fields of `Job` and `CheckpointConfig`, and the options of every sink and source "
+        "(the sink classes' constructors set those options; see their docstrings).",
         "",
         "## Environment variables",
         "",
@@ -83,6 +118,7 @@ def render(main: click.Group) -> str:
         lines.append("")
     lines += ["## Command line", ""]
     lines += _commands(main, click.Context(main, info_name="onceflow"), "onceflow")
+    lines += ["## Job settings", "", *_dataclass_table(Job), *_dataclass_table(CheckpointConfig)]
     lines += ["## Sink options", "",
               "Options of `df.writeStream.format(NAME)`; the sink classes (`DeltaSink(...)`, ...) "
               "set them for a Job. Unknown options are refused.", "",
