@@ -26,10 +26,10 @@ JOB = textwrap.dedent(
 )
 
 
-def dry_run(tmp_path, table) -> subprocess.CompletedProcess:
+def dry_run(tmp_path, table, *options: str) -> subprocess.CompletedProcess:
     (tmp_path / "job.py").write_text(JOB)
     env = {**os.environ, "WORK": str(tmp_path), "TABLE": str(table), "ONCEFLOW_SPARK_LOG_LEVEL": "ERROR"}
-    return subprocess.run([sys.executable, "-m", "onceflow", "run", "--dry-run", "--no-standby",
+    return subprocess.run([sys.executable, "-m", "onceflow", "run", "--dry-run", "--no-standby", *options,
                            str(tmp_path / "job.py"), "--", "--rows", "100"],
                           env=env, capture_output=True, text=True, timeout=120)
 
@@ -53,3 +53,10 @@ def test_dry_run_refuses_a_table_whose_columns_do_not_match(tmp_path):
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
     assert "do not match table" in line, line
     assert DeltaTable(str(other)).version() == 0 and not (tmp_path / "ckpt").exists()
+
+
+def test_dry_run_refuses_a_restore_before_spark_starts(tmp_path):
+    r = dry_run(tmp_path, tmp_path / "table", "--from-savepoint", str(tmp_path / "no-sp"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error: ")]
+    assert "not a savepoint" in line and sorted(os.listdir(tmp_path)) == ["job.py"]

@@ -57,7 +57,10 @@ def dry_run(target: str, options: LaunchOptions, say: Callable[[str], None]) -> 
     apply_overrides(job, os.environ)
     ckpt = CheckpointDir(job.checkpoint.directory)
     say(f"job         {job.name} ({target}); restarts: {job.restart_strategy.describe()}")
-    say(_checkpoint_line(ckpt))
+    if restore is not None:
+        restore.check(ckpt.url)  # manifest, files, an empty target: before Spark starts
+    else:
+        say(_checkpoint_line(ckpt))
     spark = driver_spark(job, ckpt.url)
     register_all(spark)
     for key, value in {**job.checkpoint.spark_conf(), **job.spark_conf, **cli_conf()}.items():
@@ -65,7 +68,8 @@ def dry_run(target: str, options: LaunchOptions, say: Callable[[str], None]) -> 
             spark.conf.set(key, value)
     if restore is not None:
         m = restore.check(ckpt.url, job=job, spark=spark)
-        say(f"restore     savepoint {options.from_savepoint}: batch {m.batch} of job {m.job}")
+        say(f"restore     savepoint {options.from_savepoint} into {ckpt.url}: batch {m.batch} of "
+            f"job {m.job}, its operators fit the job")
     spark.conf.set("spark.onceflow.checkpointLocation", ckpt.url)
     plan = io.StringIO()
     try:
