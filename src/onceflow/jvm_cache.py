@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from onceflow.settings import setting
+
 log = logging.getLogger("onceflow.jvm_cache")
 
 _BUILD_TIMEOUT_S = 600  # a helper older than this is presumed dead and may be replaced
@@ -33,7 +35,7 @@ QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 def enabled() -> bool:
-    return os.environ.get("ONCEFLOW_JVM_CACHE", "1").lower() not in ("0", "false", "off", "no")
+    return setting("ONCEFLOW_JVM_CACHE", "1").lower() not in ("0", "false", "off", "no")
 
 
 def archive_path() -> str:
@@ -48,7 +50,7 @@ def archive_path() -> str:
     # path (same names) must get a new archive, or every driver silently starts without one.
     stamps = [f"{n}:{st.st_size}:{st.st_mtime_ns}" for n in names for st in [os.stat(os.path.join(jars, n))]]
     key = "\n".join([os.path.realpath(java), pyspark.__version__, jars, *stamps])
-    base = os.environ.get("ONCEFLOW_JVM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "onceflow", "jvm")
+    base = setting("ONCEFLOW_JVM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "onceflow", "jvm")
     return os.path.join(base, f"spark-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa")
 
 

@@ -121,7 +121,9 @@ class DeltaDataSource(DeltaTableAccess):
                               "leave the writer option out")
         return super().streamWriter(schema, overwrite)
 
-    def validate(self, schema: StructType, overwrite: bool) -> None:
+    def validate(self, schema: StructType, overwrite: bool, create: bool = True) -> None:
+        """Options, target and schema; an absent table's directory is created (not with
+        ``create=False``: ``onceflow run --dry-run`` writes nothing)."""
         if self.upsert is not None:
             if overwrite or self.mode == "complete":
                 raise ConfigError("onceflow-delta: write='upsert' merges each batch into the table; "
@@ -155,6 +157,8 @@ class DeltaDataSource(DeltaTableAccess):
                     "_delta_log); give an empty or new directory, or an existing Delta table"
                 )
             self.write_plan(None, schema)
+            if not create:
+                return
             try:
                 fs.makedirs(path, exist_ok=True)
             except OSError as e:
