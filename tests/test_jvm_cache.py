@@ -85,3 +85,29 @@ def test_a_reinstalled_jar_gets_a_new_archive():
     finally:
         os.utime(jar, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert jvm_cache.archive_path() == before
+
+
+def test_prune_keeps_the_current_and_the_last_used_archives_and_drops_dead_partials(tmp_path):
+    """Each installation (a venv, a PySpark version) has its own 170 MB archive: without
+    pruning a machine that sees many fresh clones fills its disk (seen: 1 GB in a day)."""
+    import os
+    import time
+
+    from onceflow.jvm_cache import prune
+
+    now = time.time()
+    current = tmp_path / "spark-4.3.0-current.jsa"
+    current.write_bytes(b"x")
+    os.utime(current, (now - 9000, now - 9000))  # the current one stays, however old
+    for i in range(4):  # other installations, used 1..4 hours ago
+        p = tmp_path / f"spark-4.3.0-other{i}.jsa"
+        p.write_bytes(b"x")
+        os.utime(p, (now - 3600 * (i + 1), now - 3600 * (i + 1)))
+    dead, live = tmp_path / "spark-4.3.0-x.jsa.123.tmp", tmp_path / "spark-4.3.0-y.jsa.456.tmp"
+    for p, age in ((dead, 7200), (live, 10)):
+        p.write_bytes(b"x")
+        os.utime(p, (now - age, now - age))
+    removed = prune(str(current), keep=2)
+    assert sorted(removed) == sorted(["spark-4.3.0-other2.jsa", "spark-4.3.0-other3.jsa", dead.name])
+    assert sorted(os.listdir(tmp_path)) == sorted([current.name, "spark-4.3.0-other0.jsa", "spark-4.3.0-other1.jsa",
+                                                   live.name])

@@ -24,6 +24,7 @@ import time
 
 from onceflow.errors import InjectedCrash
 from onceflow.process import executor_jvm
+from onceflow.settings import setting
 
 POINTS = (
     "before_precommit",  # task: before writing anything
@@ -67,10 +68,10 @@ def maybe_crash(
     earlier, from the sink options ``test_crash_at`` / ``test_crash_markers``; the option
     ``test_crash_at=none`` turns the environment's rules off for one query.
     """
-    spec = (options or {}).get("test_crash_at") or os.environ.get("ONCEFLOW_CRASH_AT")
+    spec = (options or {}).get("test_crash_at") or setting("ONCEFLOW_CRASH_AT")
     if not spec or spec == "none":  # "none": a query that must never fire (a standby's warm-up)
         return
-    marker_dir = (options or {}).get("test_crash_markers") or os.environ.get("ONCEFLOW_CRASH_MARKER_DIR")
+    marker_dir = (options or {}).get("test_crash_markers") or setting("ONCEFLOW_CRASH_MARKER_DIR")
     for name, batch, mode in _rules(spec):
         if name != point or (batch is not None and batch != batch_id):
             continue
@@ -79,7 +80,7 @@ def maybe_crash(
         # started with start_new_session, so its pid is both the session and group id).
         # The process that fires may itself be outside that group (the streaming commit
         # runner is forked by the worker daemon): it is stopped or killed too.
-        pgid = int(os.environ.get("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
+        pgid = int(setting("ONCEFLOW_DRIVER_PGID", "0")) or os.getsid(0)
         if marker_dir:
             marker = os.path.join(marker_dir, f"fired-{name}-{batch}")
             try:
@@ -111,7 +112,7 @@ def maybe_crash(
 
 def maybe_slow() -> None:
     """Sleep before deciding a batch while the slow-commit file exists (see module doc)."""
-    path = os.environ.get("ONCEFLOW_SLOW_COMMIT_FILE")
+    path = setting("ONCEFLOW_SLOW_COMMIT_FILE")
     if not path:
         return
     try:

@@ -39,18 +39,25 @@ __all__ = ["CheckpointConfig", "Job"]
 class Job:
     """A streaming pipeline run by onceflow with exactly-once effects in its sink."""
 
+    #: the query's name, in logs, metrics and savepoint names (letters, digits, ``_-.``)
     name: str
     #: ``spark -> streaming DataFrame``, or ``(spark, RestoreContext) -> ...``
     source: Callable[..., DataFrame]
+    #: where the rows go, exactly once: ``DeltaSink``, ``PostgresSink``, ``KafkaSink``, ``IcebergSink``
     sink: Sink
+    #: where and how often batches are checkpointed (:class:`CheckpointConfig`)
     checkpoint: CheckpointConfig
     #: ``df -> DataFrame``, or ``(df, RestoreContext) -> DataFrame``
     transform: Callable[..., DataFrame] | None = None
+    #: how query failures and driver crashes are retried (``fixed_delay``, ``exponential_delay``, ...)
     restart_strategy: RestartStrategy = field(default_factory=default_strategy)
+    #: Spark's output mode of the query
     output_mode: Literal["append", "complete", "update"] = "append"
+    #: the Spark master of the driver (``onceflow run --master`` overrides it)
     master: str = "local[2]"
     #: a Spark Connect URL (``sc://host:15002``): run the query on that server instead
     remote: str | None = None
+    #: Spark settings of the job's session (``onceflow run --conf`` overrides them)
     spark_conf: dict[str, str] = field(default_factory=dict)
     #: stop once no data has been available for this many seconds (bounded inputs, demos, tests)
     stop_when_idle: float | None = None

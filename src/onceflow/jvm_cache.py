@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 
+from onceflow.settings import setting
+
 log = logging.getLogger("onceflow.jvm_cache")
 
 _BUILD_TIMEOUT_S = 600  # a helper older than this is presumed dead and may be replaced
@@ -33,7 +35,7 @@ QUIET = "-Xshare:auto -Xlog:cds=off -Xlog:cds+dynamic=off"
 
 
 def enabled() -> bool:
-    return os.environ.get("ONCEFLOW_JVM_CACHE", "1").lower() not in ("0", "false", "off", "no")
+    return setting("ONCEFLOW_JVM_CACHE", "1").lower() not in ("0", "false", "off", "no")
 
 
 def archive_path() -> str:
@@ -48,8 +50,41 @@ def archive_path() -> str:
     # path (same names) must get a new archive, or every driver silently starts without one.
     stamps = [f"{n}:{st.st_size}:{st.st_mtime_ns}" for n in names for st in [os.stat(os.path.join(jars, n))]]
     key = "\n".join([os.path.realpath(java), pyspark.__version__, jars, *stamps])
-    base = os.environ.get("ONCEFLOW_JVM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "onceflow", "jvm")
+    base = setting("ONCEFLOW_JVM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "onceflow", "jvm")
     return os.path.join(base, f"spark-{pyspark.__version__}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa")
+
+
+#: archives kept besides the current one (other installations: venvs, PySpark versions)
+KEEP = 2
+
+
+def prune(path: str, keep: int = KEEP, partial_age_s: float = _BUILD_TIMEOUT_S) -> list[str]:
+    """Remove what piles up next to ``path`` (170 MB each): archives of other installations
+    beyond the ``keep`` most recently used, and partial ones of builds older than their
+    timeout. Returns the removed names; errors are ignored (another process may prune too)."""
+    folder, removed = os.path.dirname(path), []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    now, archives, dead = time.time(), [], []
+    for name in names:
+        full = os.path.join(folder, name)
+        try:
+            st = os.stat(full)
+        except OSError:
+            continue
+        if name.endswith(".tmp") and now - st.st_mtime > partial_age_s:
+            dead.append(full)  # a dead build's partial archive
+        elif name.endswith(".jsa") and full != path:
+            archives.append((max(st.st_atime, st.st_mtime), full))
+    for full in dead + [full for _, full in sorted(archives, reverse=True)[keep:]]:
+        try:
+            os.unlink(full)
+            removed.append(os.path.basename(full))
+        except OSError:
+            pass
+    return removed
 
 
 def java_options() -> str:

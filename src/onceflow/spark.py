@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from onceflow.errors import ConfigError
+from onceflow.settings import setting
 
 
 def ensure_java() -> None:
@@ -168,7 +169,7 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
         for key, value in DEFAULTS.items():
             if key.startswith("spark.sql.") and key not in conf and not given.contains(key):
                 spark.conf.set(key, value)
-    spark.sparkContext.setLogLevel(os.environ.get("ONCEFLOW_SPARK_LOG_LEVEL", "ERROR"))
+    spark.sparkContext.setLogLevel(setting("ONCEFLOW_SPARK_LOG_LEVEL", "ERROR"))
     register_all(spark)
     return spark
 

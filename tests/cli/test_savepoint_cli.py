@@ -217,7 +217,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
 def test_savepoint_cli_refusals(tmp_path):
     cli = CliRunner()
     r = cli.invoke(main, ["savepoint", "create", str(tmp_path / "nothing")])
-    assert r.exit_code == 2 and "not a started Spark checkpoint" in r.output
+    assert r.exit_code == 2 and "nothing does not exist" in r.output
     r = cli.invoke(main, ["savepoint", "inspect", str(tmp_path)])
     assert r.exit_code == 2 and "not a savepoint" in r.output
     r = cli.invoke(main, ["savepoint", "dispose", str(tmp_path)])
@@ -226,8 +226,11 @@ def test_savepoint_cli_refusals(tmp_path):
     assert r.exit_code == 0 and "no savepoints" in r.output
 
 
-@pytest.mark.parametrize("args", [["stop", "{tmp}/ckpt"]])
+@pytest.mark.parametrize("args", [["stop", "{tmp}/ckpt"], ["cancel", "{tmp}/ckpt"]])
 def test_stop_when_nothing_runs(tmp_path, args):
+    from onceflow.checkpoint.eventlog import EventLog
+
+    EventLog(str(tmp_path / "ckpt")).append("stop", reason="finished", exit_code=0, scope="process")
     r = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
     assert r.exit_code == 0 and "not running" in r.output
 

@@ -138,10 +138,11 @@ def test_a_promoted_standby_takes_over_only_a_lease_of_its_own_supervisor(tmp_pa
     sup = Supervisor("unused", no_restart(), str(ckpt), child_cmd=[sys.executable, "-c", holder])
     other = DriverLease(str(ckpt), "job").acquire()  # a live driver of another supervisor
     try:
-        assert sup._takeover() is False
+        assert sup._takeover() is None
     finally:
         other.release()
     proc, _ = sup._start(1)  # a driver this supervisor started takes the lease and dies
     assert proc.wait(timeout=30) == 0
-    assert DriverLease(str(ckpt), "job").top()["pid"] == proc.pid
-    assert sup._takeover() is True
+    top = DriverLease(str(ckpt), "job").top()
+    assert top["pid"] == proc.pid
+    assert sup._takeover() == top["epoch"]  # the go file names the dead driver's epoch

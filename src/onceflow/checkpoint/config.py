@@ -22,12 +22,19 @@ class CheckpointConfig:
     start of the next batch (enforced by the sink after its commit).
     """
 
+    #: any filesystem URL Spark and fsspec understand
     directory: str
+    #: the trigger interval (Flink's checkpoint interval): seconds or a duration such as "10 s"
     interval: float | str = "1 s"
+    #: ``hashmap`` (Spark's HDFS-backed store) or ``rocksdb``
     state_backend: Literal["hashmap", "rocksdb"] = "hashmap"
+    #: RocksDB changelog checkpointing
     incremental: bool = True
+    #: Spark's ``minBatchesToRetain``
     batches_retained: int = 100
+    #: a batch running longer fails the attempt (the restart strategy applies)
     batch_timeout: float | str | None = None
+    #: at least this long between one batch's sink commit and the next batch
     min_pause: float | str = 0
 
     def __post_init__(self) -> None:

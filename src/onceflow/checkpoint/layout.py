@@ -144,3 +144,18 @@ class CheckpointDir:
             except ValueError:
                 out.append(s)
         return out
+
+
+def require_checkpoint(url: str) -> CheckpointDir:
+    """The checkpoint directory at ``url``; CheckpointError (one line) when the path does not
+    exist or holds neither Spark's ``metadata`` nor onceflow's ``_onceflow/`` (a typo must not
+    look like a stopped job). A job that was started has at least one of them."""
+    ckpt = CheckpointDir(url)
+    if not ckpt.fs.exists(ckpt.path):
+        raise CheckpointError(f"{ckpt.url} does not exist: give the checkpoint directory of a job")
+    if not ckpt.fs.isdir(ckpt.path):
+        raise CheckpointError(f"{ckpt.url} is a file, not a checkpoint directory")
+    if not (ckpt.exists() or ckpt.fs.isdir(ckpt._p("_onceflow"))):
+        raise CheckpointError(f"{ckpt.url} is not a onceflow checkpoint (no 'metadata', no "
+                              "'_onceflow/'): give the checkpoint directory of a job")
+    return ckpt

@@ -27,8 +27,10 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool, chart: str | Non
 
     from onceflow.checkpoint.eventlog import EventLog
     from onceflow.checkpoint.history import batch_history
+    from onceflow.checkpoint.layout import require_checkpoint
     from onceflow.checkpoint.restarts import restart_table, restarts
 
+    require_checkpoint(checkpoint_dir)
     rows = batch_history(checkpoint_dir, limit or None)
     events = list(EventLog(checkpoint_dir).read())
     recent = restarts(events)
@@ -134,9 +136,10 @@ def state() -> None:
 @click.option("--batch", type=int, help="Batch whose state to read (default: last committed/saved).")
 def export(location: str, operator: int, out: str, store: str | None, batch: int | None) -> None:
     """Write one operator's state rows (key, value, partition_id) to a Parquet file."""
-    from onceflow.savepoint.export import export_state
+    from onceflow.savepoint.export import export_state, state_location
     from onceflow.spark import get_spark
 
+    state_location(location)  # a typo fails here, before Spark starts
     spark = get_spark("local[2]", "onceflow-state-export")
     rows = export_state(spark, location, operator, out, store=store, batch=batch)
     click.echo(f"exported {rows} state rows of operator {operator} to {out}")

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import sys
 
 import click
 
+from onceflow import logs
 from onceflow.errors import OnceflowError
 from onceflow.runtime.launch import LaunchOptions, launch
 from onceflow.spark import parse_conf
@@ -15,6 +14,7 @@ from onceflow.spark import parse_conf
 
 @click.command("run")
 @click.argument("target", metavar="PATH/TO/JOB.PY[:NAME]")
+@click.argument("job_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- JOB ARGS...]")
 @click.option(
     "--restart-strategy", "restart_spec", metavar="SPEC",
     help="Override the job's restart strategy, e.g. 'fixed_delay:attempts=5,delay=2s', "
@@ -54,11 +54,16 @@ from onceflow.spark import parse_conf
               help="When another driver holds the checkpoint's lease (a second pod on the same "
               "checkpoint, an overlapping rollout), stand by up to SECONDS for it to end or lapse, "
               "then take over; a line every 30 s says who holds it. 0: exit 5 at once instead.")
+@click.option("--dry-run", is_flag=True,
+              help="Load the job, build its query plan and open its sink read-only (options, "
+              "target, permissions); print the plan and the sink's guarantee, then exit 0 "
+              "without running a batch or writing anything.")
 @click.pass_context
-def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_url: str | None,
+def run(ctx: click.Context, target: str, job_args: tuple[str, ...], restart_spec: str | None, checkpoint_url: str | None,
         from_savepoint: str | None, fork: bool, rescale: int | None, allow_non_restored_state: bool,
         savepoint_dir: str | None, no_savepoint_on_stop: bool, standby: bool, wait_for_lease: float,
-        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None) -> None:
+        master: str | None, remote: str | None, conf: tuple[str, ...], metrics_port: int | None,
+        dry_run: bool) -> None:
     """Run a job; restart its driver process after crashes per the restart strategy.
 
     Query failures restart inside the driver, process crashes (kill -9, OOM) restart the
@@ -66,19 +71,25 @@ def run(ctx: click.Context, target: str, restart_spec: str | None, checkpoint_ur
     Ctrl-C stops with a savepoint: the in-flight batch finishes, the query stops, a savepoint
     of the last committed batch is written to --savepoint-dir/<job>-<batch>-<time> and its
     path printed (Ctrl-C twice kills at once, no savepoint). Exit code 0 only if that worked.
+
+    Arguments after '--' are the job's: 'onceflow run job.py -- --topic a' runs job.py with
+    sys.argv == ['job.py', '--topic', 'a'] in every process that loads it (as spark-submit).
     """
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s supervisor %(levelname)s %(message)s")
+    logs.configure("supervisor")
     try:
         options = LaunchOptions(
             checkpoint=checkpoint_url, restart_strategy=restart_spec, from_savepoint=from_savepoint,
             fork=fork, rescale=rescale, allow_non_restored_state=allow_non_restored_state,
             savepoint_dir=savepoint_dir, savepoint_on_stop=not no_savepoint_on_stop, master=master,
             remote=remote, conf=parse_conf(conf), metrics_port=metrics_port, standby=standby,
-            wait_for_lease=wait_for_lease)
+            wait_for_lease=wait_for_lease, args=job_args)
+        if dry_run:
+            from onceflow.runtime.dryrun import dry_run as check
+
+            check(target, options, click.echo)
+            ctx.exit(0)
         rc = launch(target, options)
     except OnceflowError as e:
-        click.echo(f"error: {e}", err=True)
+        logs.error_line(str(e))
         ctx.exit(2)
     ctx.exit(rc)

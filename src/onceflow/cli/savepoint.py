@@ -1,22 +1,21 @@
-"""``onceflow savepoint create|list|inspect|dispose``, ``onceflow stop [--savepoint]`` and the
+"""``onceflow savepoint create|list|inspect|dispose``, ``onceflow stop [--savepoint]``,
+``onceflow cancel`` and the
 ``--from-savepoint/--fork/--rescale/--allow-non-restored-state`` options of ``onceflow run``."""
 
 from __future__ import annotations
 
 import json
-import logging
 import sys
 import time
 
 import click
 
+from onceflow import logs
 from onceflow.savepoint.manifest import Manifest
 
 
 def _logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s onceflow %(levelname)s %(message)s")
+    logs.configure("onceflow")
 
 
 def _size(n: int) -> str:
@@ -46,9 +45,11 @@ def savepoint() -> None:
 @click.option("--job-name", help="Job name to record (default: from the event log).")
 def create(checkpoint_dir: str, target: str | None, batch: int | None, job_name: str | None) -> None:
     """Savepoint of the stopped job on CHECKPOINT_DIR (default TARGET: ../savepoints/sp-<batch>-<time>)."""
+    from onceflow.checkpoint.layout import require_checkpoint
     from onceflow.savepoint.create import create_savepoint
 
     _logging()
+    require_checkpoint(checkpoint_dir)
     url, m = create_savepoint(checkpoint_dir, target, batch=batch, job_name=job_name)
     click.echo(f"savepoint {url}: job {m.job}, batch {m.batch}, {len(m.files)} files, {_size(m.total_bytes)}")
 
@@ -61,8 +62,14 @@ def list_(directory: str, as_json: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from onceflow.errors import CheckpointError
     from onceflow.savepoint.operations import list_savepoints
+    from onceflow.storage import url_to_fs
 
+    fs, path = url_to_fs(directory.rstrip("/") or ".")
+    if not fs.exists(path):
+        raise CheckpointError(f"{directory} does not exist: give a savepoint directory, a "
+                              "savepoint or a checkpoint directory")
     found = list_savepoints(directory)
     if as_json:
         click.echo(json.dumps([
@@ -153,12 +160,29 @@ def stop(checkpoint_dir: str, target: str | None, timeout: float) -> None:
     """Stop the job running on CHECKPOINT_DIR after its in-flight batch; with --savepoint, the
     driver takes a savepoint of the last committed batch as it stops. Without it, no
     savepoint is taken (unlike a plain SIGTERM to 'onceflow run')."""
+    from onceflow.checkpoint.layout import require_checkpoint
     from onceflow.savepoint.operations import stop_job, stop_with_savepoint
 
     _logging()
+    require_checkpoint(checkpoint_dir)
     if target is None:
         click.echo(f"stopped {stop_job(checkpoint_dir, timeout)}")
         return
     url, m = stop_with_savepoint(checkpoint_dir, target or None, timeout)
     click.echo("stopped")
     click.echo(f"savepoint {url}: job {m.job}, batch {m.batch}, {len(m.files)} files, {_size(m.total_bytes)}")
+
+
+@click.command("cancel")
+@click.argument("checkpoint_dir")
+@click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait for the stop.")
+def cancel(checkpoint_dir: str, timeout: float) -> None:
+    """Stop the job running on CHECKPOINT_DIR without a savepoint (Flink's 'cancel'), even
+    when 'onceflow run' would take one on SIGTERM. The in-flight batch still ends as a whole
+    (committed, or replayed by the next run): nothing is half-written either way."""
+    from onceflow.checkpoint.layout import require_checkpoint
+    from onceflow.savepoint.operations import stop_job
+
+    _logging()
+    require_checkpoint(checkpoint_dir)
+    click.echo(f"cancelled {stop_job(checkpoint_dir, timeout, savepoint=False)}")

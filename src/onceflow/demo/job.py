@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 
 from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
+from onceflow.settings import setting
 
 OUTPUT = "id long, key long, event_time timestamp, running_count long"
 
@@ -35,10 +36,10 @@ def transform(df):
 
 
 def source(spark):
-    rate = int(os.environ.get("ONCEFLOW_DEMO_RATE", 100_000))
+    rate = int(setting("ONCEFLOW_DEMO_RATE", "100000"))
     return (
         spark.readStream.format("onceflow-sequence")
-        .option("total", int(os.environ.get("ONCEFLOW_DEMO_EVENTS", 3_000_000)))
+        .option("total", int(setting("ONCEFLOW_DEMO_EVENTS", "3000000")))
         .option("rows_per_second", rate)
         .option("max_rows_per_batch", rate)  # at most one second's worth per batch
         .option("keys", 16)
@@ -46,7 +47,7 @@ def source(spark):
     )
 
 
-_dir = os.environ.get("ONCEFLOW_DEMO_DIR", "onceflow-demo")
+_dir = setting("ONCEFLOW_DEMO_DIR", "onceflow-demo")
 job = Job(
     name="demo",
     source=source,

@@ -1,4 +1,5 @@
-"""The supervised driver process: ``python -m onceflow.runtime.driver path/to/job.py[:name]``.
+"""The supervised driver process: ``python -m onceflow.runtime.driver path/to/job.py[:name]
+[-- JOB ARGS...]`` (the job file sees ``sys.argv == [path, *JOB ARGS]``, as under spark-submit).
 
 Exit codes (read by the supervisor): 0 finished or stopped on request; 2 configuration or
 user error (do not restart); 3 the in-process restart strategy gave up (do not restart);
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 
+from onceflow import logs
 from onceflow.errors import (
     EXIT_CONFIG,
     EXIT_CRASHED,
@@ -41,7 +43,12 @@ from onceflow.errors import (
     OnceflowError,
 )
 from onceflow.runtime import scratch
-from onceflow.runtime.launch import apply_overrides, restore_from_env, run_in_process
+from onceflow.runtime.launch import (
+    apply_overrides,
+    restore_from_env,
+    run_in_process,
+    split_driver_argv,
+)
 from onceflow.runtime.loader import load_job
 from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
@@ -62,9 +69,8 @@ def watch_jvm(interval: float = 0.5) -> threading.Thread:
             sc = SparkContext._active_spark_context
             proc = getattr(getattr(sc, "_gateway", None), "proc", None) if sc else None
             if proc is not None and proc.poll() is not None:
-                print(f"error: the Spark JVM (pid {proc.pid}) exited with code {proc.returncode} "
-                      "under this driver; exiting as crashed so the supervisor restarts it",
-                      file=sys.stderr, flush=True)
+                logs.error_line(f"the Spark JVM (pid {proc.pid}) exited with code {proc.returncode} "
+                                "under this driver; exiting as crashed so the supervisor restarts it")
                 os._exit(EXIT_JVM_DIED)
 
     thread = threading.Thread(target=run, name="onceflow-jvm-watchdog", daemon=True)
@@ -105,10 +111,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str], done: threading.Event) -> int:
-    if len(argv) != 1:
-        print("usage: python -m onceflow.runtime.driver path/to/job.py[:name]", file=sys.stderr)
+    parsed = split_driver_argv(argv)
+    if parsed is None:
+        print("usage: python -m onceflow.runtime.driver path/to/job.py[:name] [-- JOB ARGS...]",
+              file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s driver %(levelname)s %(message)s")
+    target, job_args = parsed
+    logs.configure("standby" if os.environ.get(GO_ENV) else "driver")
     stop = threading.Event()
     waiting_standby = [bool(os.environ.get(GO_ENV))]  # not promoted yet: nothing to finish
 
@@ -125,7 +134,8 @@ def _main(argv: list[str], done: threading.Event) -> int:
     started = time.time()
     watch_jvm()
     try:
-        job = apply_overrides(load_job(argv[0]))
+        job = apply_overrides(load_job(target, job_args))
+        logs.set_job(job.name)
         watch_stop_request(job.checkpoint.directory, stop, waiting_standby, done)
         go = os.environ.get(GO_ENV)
         if go:  # a warm standby: ready now, running only once promoted
@@ -133,22 +143,23 @@ def _main(argv: list[str], done: threading.Event) -> int:
             if spark is None:
                 return EXIT_OK
             waiting_standby[0] = False
+            logs.configure("driver")  # promoted: from now on it is the active driver
             _serve_metrics(job, started)
             ran = run_in_process(job, spark, stop, restore=restore_from_env(), takeover=takes_over(go))
         else:
             _serve_metrics(job, started)
             ran = run_in_process(job, stop=stop, restore=restore_from_env())
     except GaveUp as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error_line(str(e))
         return EXIT_GAVE_UP
     except FencedError as e:
-        print(f"fenced: {e}", file=sys.stderr)
+        logs.error_line(str(e), prefix="fenced")
         return EXIT_FENCED
     except JvmDied as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error_line(str(e))
         return EXIT_JVM_DIED
     except OnceflowError as e:
-        print(f"error: {e}", file=sys.stderr)
+        logs.error_line(str(e))
         return EXIT_CONFIG if e.fatal else EXIT_CRASHED
     if stop.is_set() and ran:  # a driver that only stood by has nothing to save
         return _savepoint_on_stop(job.checkpoint.directory, job.name, started)
@@ -185,9 +196,9 @@ def _savepoint_on_stop(checkpoint_url: str, job_name: str, started: float) -> in
     try:
         taken = savepoint_on_stop(checkpoint_url, job_name, started)
     except Exception as e:  # noqa: BLE001 - any failure: the stop did not do what was asked
-        print(f"error: stopped, but the savepoint on stop failed: {e}; the checkpoint "
-              f"{checkpoint_url} is intact: take one with 'onceflow savepoint create "
-              f"{checkpoint_url}'", file=sys.stderr)
+        logs.error_line(f"stopped, but the savepoint on stop failed: {e}; the checkpoint "
+                        f"{checkpoint_url} is intact: take one with 'onceflow savepoint create "
+                        f"{checkpoint_url}'")
         return EXIT_SAVEPOINT_FAILED
     if taken:
         url, m = taken

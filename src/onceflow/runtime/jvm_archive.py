@@ -10,7 +10,7 @@ import shutil
 import sys
 import tempfile
 
-from onceflow.jvm_cache import QUIET
+from onceflow.jvm_cache import QUIET, prune
 from onceflow.runtime.standby import warm_query
 from onceflow.spark import get_spark
 
@@ -32,6 +32,7 @@ def build(path: str) -> None:
         proc.wait(timeout=300)
         if os.path.exists(partial) and os.path.getsize(partial) > 0:
             os.replace(partial, path)
+            prune(path)  # other installations' archives beyond the last few, dead builds' parts
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         for leftover in (partial, f"{path}.building"):

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from onceflow import logs
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.errors import EXIT_CONFIG, ConfigError, OnceflowError
 from onceflow.runtime.loader import load_job
@@ -76,6 +77,7 @@ class LaunchOptions:
     metrics_port: int | None = None
     standby: bool = True
     wait_for_lease: float = math.inf  #: stand by while another driver holds the lease (0: exit 5)
+    args: tuple[str, ...] = ()  #: the job's own arguments: its ``sys.argv[1:]`` in every process
 
     def check(self) -> None:
         """ConfigError for options that contradict each other (nothing is read or written)."""
@@ -174,6 +176,20 @@ def driver_env(options: LaunchOptions, environ: Mapping[str, str]) -> dict[str, 
     return env
 
 
+def driver_args(args: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """The driver command's arguments after TARGET: ``-- ARGS`` for the job (none: nothing)."""
+    return ("--", *args) if args else ()
+
+
+def split_driver_argv(argv: list[str]) -> tuple[str, list[str]] | None:
+    """(TARGET, job args) of ``TARGET [-- ARGS...]``; None when malformed."""
+    if len(argv) == 1:
+        return argv[0], []
+    if len(argv) >= 2 and argv[1] == "--":
+        return argv[0], argv[2:]
+    return None
+
+
 def launch(target: str, options: LaunchOptions | None = None,
            environ: Mapping[str, str] | None = None) -> int:
     """``onceflow run TARGET``: steps 1-5 with the supervisor; returns the exit code.
@@ -182,13 +198,15 @@ def launch(target: str, options: LaunchOptions | None = None,
     restore, before any driver starts."""
     options = options or LaunchOptions()
     options.check()
-    job = load_job(target)
+    job = load_job(target, options.args)
+    logs.set_job(job.name)
     restore = restore_request(options.from_savepoint, options.fork, options.rescale,
                               options.allow_non_restored_state)
     ckpt, absent = _prepare(job, restore, checkpoint=options.checkpoint)
     env = driver_env(options, os.environ if environ is None else environ)
     apply_overrides(job, env)
-    rc = Supervisor(target, job.restart_strategy, ckpt, env=env, standby=options.standby).run()
+    rc = Supervisor(target, job.restart_strategy, ckpt, driver_args(options.args), env=env,
+                    standby=options.standby).run()
     if restore is not None and rc == EXIT_CONFIG and absent and remove_if_only_onceflow(ckpt.url):
         log.info("the restore was refused; removed %s, which this run had created", ckpt.url)
     return rc

@@ -5,13 +5,17 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Sequence
 
 from onceflow.errors import ConfigError
 from onceflow.runtime.spec import JobSpec
 
 
-def load_job(target: str) -> JobSpec:
-    """Import the file and return its Job (``:name``, else ``job``, else the only Job)."""
+def load_job(target: str, args: Sequence[str] | None = None) -> JobSpec:
+    """Import the file and return its Job (``:name``, else ``job``, else the only Job).
+
+    With ``args`` (``onceflow run job.py -- ARGS``), ``sys.argv`` becomes ``[path, *args]``
+    before the file runs and stays so, as under spark-submit: the job reads its own arguments."""
     path, _, name = target.partition(":")
     if not os.path.isfile(path):
         raise ConfigError(f"job file {path!r} not found; give path/to/job.py[:variable]")
@@ -19,6 +23,8 @@ def load_job(target: str) -> JobSpec:
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{path!r} is not a Python file")
+    if args is not None:
+        sys.argv = [path, *args]
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module
     # Spark's workers cannot import a file loaded by path: ship its functions by value.

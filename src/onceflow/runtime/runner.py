@@ -41,6 +41,7 @@ from onceflow.outages import Stopped, short, wait_out
 from onceflow.runtime import metrics, scratch
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
 from onceflow.savepoint.operations import stop_requested
+from onceflow.settings import setting
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class JobRunner:
         with ExitStack() as stack:
             t0 = time.time()
             lease, spark = DriverLease(self.ckpt, job.name), self.spark
-            if spark is None and float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0)) > 0 and lease.holder():
+            if spark is None and float(setting("ONCEFLOW_LEASE_WAIT_S", "0")) > 0 and lease.holder():
                 spark = self._spark()  # waiting for another host's lease: start Spark meanwhile
             spark_s = time.time() - t0
             try:

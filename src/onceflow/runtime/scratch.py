@@ -36,6 +36,7 @@ import uuid
 from typing import IO
 
 from onceflow.process import start_time
+from onceflow.settings import setting
 
 log = logging.getLogger("onceflow.scratch")
 
@@ -46,7 +47,7 @@ _SET_ENV = "ONCEFLOW_SPARK_LOCAL_DIRS"
 
 def job_dir(job_name: str, checkpoint_url: str) -> str:
     """The scratch directory of one job (one checkpoint) on this host."""
-    root = os.environ.get(ENV) or os.path.join(tempfile.gettempdir(), "onceflow-scratch")
+    root = setting(ENV) or os.path.join(tempfile.gettempdir(), "onceflow-scratch")
     digest = hashlib.sha1(checkpoint_url.rstrip("/").encode()).hexdigest()[:10]
     return os.path.join(root, f"{job_name}-{digest}")
 

@@ -29,7 +29,6 @@ in those steps; the Spark plumbing, fingerprint check and crash points live here
 from __future__ import annotations
 
 import logging
-import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
@@ -44,6 +43,7 @@ from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.checkpoint.lease import check_driver_lease
 from onceflow.errors import CheckpointError, ConfigError, FencedError, FingerprintMismatch
 from onceflow.faults import maybe_crash, maybe_slow
+from onceflow.settings import setting
 
 log = logging.getLogger(__name__)
 
@@ -296,7 +296,7 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
     def _task_event(self, task: TaskInfo, rows: int, skipped: bool) -> None:
         """With ONCEFLOW_TASK_EVENTS=1, tasks log rows processed (replays included)."""
         loc = self.sink.opts.get("checkpointlocation")
-        if loc and os.environ.get("ONCEFLOW_TASK_EVENTS") == "1":
+        if loc and setting("ONCEFLOW_TASK_EVENTS") == "1":
             EventLog(loc).append("task", batch=task.batch_id, partition=task.partition,
                                  attempt=task.attempt, rows=rows, skipped=skipped)
 
@@ -416,13 +416,13 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             self.sink.abort(lineage, batchId, handles)
 
     def _log(self, ckpt, batch_id, lineage, rows, replay, started) -> None:
-        if ckpt is None or os.environ.get("ONCEFLOW_NO_EVENTS"):
+        if ckpt is None or setting("ONCEFLOW_NO_EVENTS"):
             return
         try:
             EventLog(ckpt.url).append(
                 "sink_commit", sink=self.sink.format_name, batch=batch_id, lineage=lineage,
                 rows=rows, replay=replay, commit_s=round(time.monotonic() - started, 4),
-                driver=int(os.environ.get("ONCEFLOW_DRIVER_PGID") or 0) or None,
+                driver=int(setting("ONCEFLOW_DRIVER_PGID") or 0) or None,
             )
         except OSError as e:  # the event log is for humans; never fail a commit over it
             log.warning("could not append to the event log: %s", e)

@@ -18,6 +18,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 
 from onceflow.errors import ConfigError
+from onceflow.settings import setting
 
 SOURCES = ("sequence", "kafka")
 #: sink kinds; ``delta`` is the Delta sink's Arrow write path, ``delta-jvm`` its JVM write path
@@ -109,7 +110,7 @@ class VerifySpec:
 
     @classmethod
     def from_env(cls) -> VerifySpec:
-        path = os.environ.get("ONCEFLOW_VERIFY_SPEC")
+        path = setting("ONCEFLOW_VERIFY_SPEC")
         if not path:
             raise ConfigError("ONCEFLOW_VERIFY_SPEC is not set: the verify job is started by "
                               "'onceflow verify', not by hand")

@@ -6,7 +6,6 @@ import enum
 import json
 import logging
 import math
-import os
 import threading
 import time
 import uuid
@@ -18,6 +17,7 @@ from onceflow.checkpoint.lease import identity
 from onceflow.checkpoint.lease.sighting import SIGHTINGS, held_s
 from onceflow.errors import ConfigError, FencedError, LeaseLost, OnceflowError, StoreUnavailable
 from onceflow.outages import Stopped
+from onceflow.settings import setting
 from onceflow.storage import write_whole
 
 log = logging.getLogger("onceflow.lease")
@@ -47,9 +47,9 @@ class DriverLease:
 
     def __init__(self, checkpoint: CheckpointDir | str, job_name: str, ttl_s: float | None = None,
                  renew_s: float | None = None):
-        ttl_s = float(os.environ.get("ONCEFLOW_LEASE_TTL_S", 30.0)) if ttl_s is None else ttl_s
+        ttl_s = float(setting("ONCEFLOW_LEASE_TTL_S", "30")) if ttl_s is None else ttl_s
         if renew_s is None:
-            renew_s = float(os.environ.get("ONCEFLOW_LEASE_RENEW_S", ttl_s / 6))
+            renew_s = float(setting("ONCEFLOW_LEASE_RENEW_S", str(ttl_s / 6)))
         ckpt = CheckpointDir.of(checkpoint)  # resolved once, handed down
         self.url = f"{ckpt.url}/_onceflow/lease"
         self.fs, self.dir = ckpt.fs, ckpt._p("_onceflow", "lease")
@@ -235,7 +235,7 @@ class DriverLease:
         ``waited`` says afterwards whether another driver held the lease when this one came.
         """
         if wait_s is None:
-            wait_s = float(os.environ.get("ONCEFLOW_LEASE_WAIT_S", 0))
+            wait_s = float(setting("ONCEFLOW_LEASE_WAIT_S", "0"))
         start = identity.clock()
         deadline, store_deadline = start + wait_s, start + max(wait_s, self.ttl_s)
         said, said_what = -1e18, None

@@ -21,7 +21,9 @@ epoch (FencedError). Task files and attempt directories carry their writer's epo
 name; recovery deletes only orphans of older epochs, so a zombie never deletes a successor's.
 
 Modes: ``append`` adds the batch's rows; ``complete`` replaces the table's contents with the
-batch's result in the same single commit. Guarantee for both: exactly-once.
+batch's result in the same single commit; ``write=upsert`` (:mod:`.upsert`) merges the batch's
+staged rows, the last event per key, in one MERGE that carries the same app transaction.
+Guarantee for all three: exactly-once.
 
 Partitioning (:mod:`.partitions`) and schema (:mod:`.evolution`) are those of the snapshot the
 decision commits on: every add must carry exactly that snapshot's partition columns and the
@@ -119,7 +121,9 @@ class DeltaDataSource(DeltaTableAccess):
                               "leave the writer option out")
         return super().streamWriter(schema, overwrite)
 
-    def validate(self, schema: StructType, overwrite: bool) -> None:
+    def validate(self, schema: StructType, overwrite: bool, create: bool = True) -> None:
+        """Options, target and schema; an absent table's directory is created (not with
+        ``create=False``: ``onceflow run --dry-run`` writes nothing)."""
         if self.upsert is not None:
             if overwrite or self.mode == "complete":
                 raise ConfigError("onceflow-delta: write='upsert' merges each batch into the table; "
@@ -153,6 +157,8 @@ class DeltaDataSource(DeltaTableAccess):
                     "_delta_log); give an empty or new directory, or an existing Delta table"
                 )
             self.write_plan(None, schema)
+            if not create:
+                return
             try:
                 fs.makedirs(path, exist_ok=True)
             except OSError as e:
