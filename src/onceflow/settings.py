@@ -49,6 +49,12 @@ _ALL = [
             "the event log (replays included); verify and the demo use it."),
     Setting("ONCEFLOW_NO_EVENTS", None, "Non-empty: sinks write no `sink_commit` events "
             "(benchmarks)."),
+    Setting("ONCEFLOW_METRICS_FLINK_NAMES", "1", "`0`: the metrics endpoint leaves out Flink's "
+            "names (`onceflow_job_numRestarts`...; docs/metrics.md)."),
+    Setting("ONCEFLOW_METRICS_TAIL_S", "1 local, 15 object stores", "Minimum seconds between two "
+            "reads of the event log by the metrics endpoint's follower (never per scrape)."),
+    Setting("ONCEFLOW_STATE_SIZE_EVERY_S", "30", "Seconds between two listings of the state on "
+            "the checkpoint for its size (batch events, metrics); `0`: after every batch."),
     # ---- set by onceflow run for its drivers -----------------------------------------------
     Setting("ONCEFLOW_CHECKPOINT", None, "`--checkpoint`: the job's checkpoint directory.", "run"),
     Setting("ONCEFLOW_RESTART_STRATEGY", None, "`--restart-strategy`: e.g. "

@@ -6,12 +6,12 @@ exported too unless ``ONCEFLOW_METRICS_FLINK_NAMES=0`` (see docs/metrics.md for 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from onceflow.runtime.metrics.state import Histogram, JobMetrics
+from onceflow.settings import setting
 
 FLINK_NAMES_ENV = "ONCEFLOW_METRICS_FLINK_NAMES"
 
@@ -21,7 +21,7 @@ class Collector:
 
     def __init__(self, metrics: JobMetrics, flink_names: bool | None = None):
         self.m = metrics
-        self.flink = os.environ.get(FLINK_NAMES_ENV, "1") != "0" if flink_names is None else flink_names
+        self.flink = setting(FLINK_NAMES_ENV, "1") != "0" if flink_names is None else flink_names
 
     def collect(self) -> Iterator[Any]:
         m = self.m

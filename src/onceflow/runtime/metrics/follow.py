@@ -12,11 +12,11 @@ local filesystem, 15 s on object stores, where a tail is a listing), and at leas
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 from onceflow.checkpoint.eventlog import EventLog, Offset
 from onceflow.runtime.metrics.state import JobMetrics
+from onceflow.settings import setting
 
 log = logging.getLogger("onceflow.metrics")
 
@@ -30,7 +30,7 @@ class Follower:
     def __init__(self, log_: EventLog, metrics: JobMetrics, min_s: float | None = None, idle_s: float = 60.0):
         self.log, self.metrics = log_, metrics
         default = 1.0 if log_.local else 15.0
-        self.min_s = float(os.environ.get(TAIL_ENV, default)) if min_s is None else min_s
+        self.min_s = float(setting(TAIL_ENV, str(default))) if min_s is None else min_s
         self.idle_s = max(idle_s, self.min_s)
         self.offset: Offset = 0
         self.tails = 0  # how many times the log was read (for tests)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.settings import setting
 from onceflow.storage import is_local
 
 log = logging.getLogger("onceflow.metrics")
@@ -99,7 +99,7 @@ class StateSize:
 
     def __init__(self, ckpt: CheckpointDir, every_s: float | None = None):
         self.ckpt = ckpt
-        self.every_s = float(os.environ.get(STATE_SIZE_ENV, STATE_SIZE_EVERY_S)) if every_s is None else every_s
+        self.every_s = float(setting(STATE_SIZE_ENV, str(STATE_SIZE_EVERY_S))) if every_s is None else every_s
         self.background = not is_local(ckpt.fs)
         self._at = -1e18
         self._lock = threading.Lock()
