@@ -110,7 +110,8 @@ def test_a_real_prometheus_scrapes_the_active_driver_and_the_command_line_wins(t
     prom, prom_port = _start_prometheus(tmp_path, port)
     env = {k: v for k, v in os.environ.items() if k != "ONCEFLOW_SPARK_CONF"}  # the user's default: UI on
     env["WORK"] = str(tmp_path)
-    sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", "--metrics-port", str(port),
+    sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", "--no-savepoint-on-stop",
+                            "--metrics-port", str(port),
                             "--master", "local[1]", "--conf", "spark.ui.port=4077",
                             "--conf", "spark.sql.shuffle.partitions=3", str(tmp_path / "job.py")],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
