@@ -44,8 +44,9 @@ from onceflow.spark import parse_conf
 @click.option("--conf", "conf", metavar="KEY=VALUE", multiple=True,
               help="A Spark setting for the drivers (repeatable); overrides the job's spark_conf.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), metavar="PORT",
-              help="Serve Prometheus metrics (Flink's names: numberOfCompletedCheckpoints, numRestarts, "
-              "numRecordsIn, ...) at http://HOST:PORT/metrics from the active driver.")
+              help="Serve Prometheus metrics (onceflow_batches_total, onceflow_last_commit_age_seconds, "
+              "batch and commit duration histograms, source lag, state size; Flink's names too) at "
+              "http://HOST:PORT/metrics from the active driver (docs/metrics.md).")
 @click.option("--standby/--no-standby", default=True, show_default=True,
               help="Keep a warm standby driver (JVM, SparkSession and Python workers started) "
               "that takes over within seconds when the active driver dies; costs its memory.")
