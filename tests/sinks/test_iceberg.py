@@ -144,17 +144,24 @@ def test_a_commit_of_another_writer_between_check_and_commit_is_retried_on_top(t
     assert _ids(ds) == [1, 2, 1000, 1001]
 
 
-def test_lost_commit_replies_across_processes_leave_no_duplicate(tmp_path):
-    """A few trials of benchmarks/iceberg_lost_reply.py (its 100-trial run is in the docs): a
+@pytest.mark.parametrize("write", ["append", "upsert"])
+def test_lost_commit_replies_across_processes_leave_no_duplicate(tmp_path, write):
+    """A few trials of benchmarks/iceberg_lost_reply.py (its 100-trial runs are in the docs): a
     process SIGKILLed right after the catalog took its snapshot, a new process replays the
-    batch and finds it decided; the independent count has no duplicate, gap or orphan file."""
+    batch and finds it decided; the independent count has no duplicate, gap, orphan file or
+    batch applied twice, and (upsert, new here: ``--write`` did not exist) every key holds the
+    value of its last event, deleted keys absent."""
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "iceberg_lost_reply.py"),
-                          "--trials", "2", "--rows", "200", "--dir", str(tmp_path)],
+                          "--trials", "2", "--rows", "200", "--dir", str(tmp_path), "--write", write],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["writers_killed"] == 2 and report["replays_that_found_their_batch_decided"] == 2
-    assert (report["duplicates"], report["missing"], report["dangling_files"], report["rows"]) == (0, 0, 0, 400)
+    assert (report["duplicates"], report["missing"], report["dangling_files"], report["applied_twice"]) == (0, 0, 0, 0)
+    if write == "upsert":
+        assert (report["wrong"], report["resurrected"], report["deleted_keys"], report["rows"]) == (0, 0, 20, 380)
+    else:
+        assert report["rows"] == 400
 
 
 def test_recovery_removes_files_of_undecided_batches_only(tmp_path):
@@ -477,3 +484,27 @@ def test_a_job_upserts_and_deletes_through_spark(spark, tmp_path):
     got = {r["k"]: r["id"] for r in table.scan().to_arrow().to_pylist()}
     last = {i % 37: i for i in range(total)}
     assert got == {k: i for k, i in last.items() if i % 7 != 0}
+
+
+def test_doctor_reports_the_catalog_table_and_onceflow_lineages(tmp_path):
+    """``onceflow doctor --iceberg CATALOG TABLE`` (before: no such option, a usage error):
+    catalog, format version, partition spec, snapshot count, and each lineage's epoch, last
+    batch and write kind from the snapshot summaries; a missing table fails (exit 1)."""
+    from click.testing import CliRunner
+
+    from onceflow.cli.doctor import doctor
+
+    ds = _upsert_source(tmp_path)
+    lineage = str(uuid.uuid4())
+    epoch = ds.open(lineage)
+    _apply(ds, lineage, epoch, 0, [[(1, "a", 1)]])
+    _apply(ds, lineage, epoch, 1, [[(1, "del", 2)]])
+    url = f"sqlite:///{tmp_path}/catalog.db"
+    out = CliRunner().invoke(doctor, ["--iceberg", url, "lake.u"])
+    assert out.exit_code == 0, out.output
+    for text in ("sql catalog", "format_version: v2", "partition_spec: unpartitioned", "snapshots: 3 snapshot(s)",
+                 f"lineage {lineage}: sink_id iceberg, upsert: epoch {epoch}, last decided batch 1, "
+                 "2 decision snapshot(s)"):
+        assert text in out.output, out.output
+    missing = CliRunner().invoke(doctor, ["--iceberg", url, "lake.none"])
+    assert missing.exit_code == 1 and "lake.none does not exist" in missing.output

@@ -7,6 +7,8 @@
   broker allows.
 * ``--postgres DSN [--resolve]``: the PostgreSQL sink's checks; ``--resolve`` commits decided
   and rolls back undecided onceflow prepared transactions of stopped jobs.
+* ``--iceberg CATALOG TABLE``: the Iceberg sink's catalog and table (format version, partition
+  spec, snapshot count) and the onceflow lineages in its snapshot summaries; read only.
 * no option: every registered sink with its modes and their guarantees.
 
 Exit code 1 when a check fails, 0 otherwise.
@@ -23,6 +25,7 @@ _MODES = {
     "onceflow-delta": ("mode", ("append", "complete"), {"path": "/tmp/unused"}),
     "onceflow-postgres": ("mode", ("two_phase", "idempotent"), {"dsn": "host=unused", "table": "unused"}),
     "onceflow-kafka-sink": ("mode", ("exactly_once", "at_least_once"), {"bootstrap_servers": "unused:9092"}),
+    "onceflow-iceberg": ("write", ("append",), {"catalog": "sqlite:////tmp/onceflow-unused/c.db", "table": "a.b"}),
 }
 
 
@@ -58,12 +61,18 @@ def _list_guarantees() -> None:
             from onceflow.sinks.postgres.doctor import guarantees
 
             click.echo(f"  mode=idempotent write=upsert: {guarantees()[2]}")
+        if fmt == "onceflow-iceberg":
+            click.echo(f"  write=upsert: {cls({**base, 'write': 'upsert', 'keys': 'k'}).describe_guarantee()}")
 
 
 @click.command("doctor")
 @click.option("--kafka", "kafka", metavar="BOOTSTRAP",
               help="Check a Kafka cluster for the Kafka sink (host:port[,host:port]).")
 @click.option("--postgres", "postgres", metavar="DSN", help="Check a PostgreSQL server for the PostgreSQL sink.")
+@click.option("--iceberg", "iceberg", nargs=2, metavar="CATALOG TABLE", default=None,
+              help="Check an Iceberg catalog (sqlite:///path/catalog.db, postgresql+psycopg://..., or a "
+                   "JSON object of pyiceberg properties) and table (namespace.name) for the Iceberg sink.")
+@click.option("--warehouse", default=None, help="With --iceberg and a PostgreSQL catalog: its warehouse.")
 @click.option("--resolve", is_flag=True,
               help="With --postgres: commit decided / roll back undecided onceflow prepared transactions.")
 @click.option("--timeout", default=20.0, show_default=True, metavar="SECONDS",
@@ -74,15 +83,26 @@ def _list_guarantees() -> None:
 @click.option("--marker-topic", "marker_topic", default="__onceflow_markers", show_default=True,
               help="With --kafka: the Kafka sink's marker topic to check.")
 @click.pass_context
-def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, resolve: bool, timeout: float,
-           transaction_timeout: float, marker_topic: str) -> None:
+def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, iceberg: tuple[str, str] | None,
+           warehouse: str | None, resolve: bool, timeout: float, transaction_timeout: float,
+           marker_topic: str) -> None:
     """Check sink systems and print the guarantee of every sink mode."""
     if resolve and not postgres:
         raise click.UsageError("--resolve needs --postgres DSN")
     failed = False
-    if not kafka and not postgres:
+    if not kafka and not postgres and not iceberg:
         _list_guarantees()
         return
+    if iceberg:
+        try:
+            from onceflow.sinks.iceberg.doctor import doctor as iceberg_doctor
+        except ImportError as e:
+            raise click.UsageError(f"--iceberg needs pyiceberg ({e}): pip install 'onceflow[iceberg]'") from None
+
+        click.echo(f"Iceberg table {iceberg[1]}:")
+        for check in iceberg_doctor(iceberg[0], iceberg[1], warehouse):
+            _print(check.name, check.ok, check.detail)
+            failed |= not check.ok
     if kafka:
         from onceflow.sinks.kafka import doctor as kafka_doctor
 

@@ -22,9 +22,20 @@ from onceflow.errors import ConfigError
 SOURCES = ("sequence", "kafka")
 #: sink kinds; ``delta`` is the Delta sink's Arrow write path, ``delta-jvm`` its JVM write path
 #: (what ``DeltaSink(path)`` runs for a local table in a Job); ``kafka-at_least_once`` is the
-#: deliberately non-exactly-once control
-SINKS = ("delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka", "kafka-at_least_once")
+#: deliberately non-exactly-once control; ``iceberg-upsert`` upserts on ``key = id % K``
+#: (:func:`upsert_keys`) ordered by id, deleting where :data:`UPSERT_DELETE_SQL` holds
+SINKS = ("delta", "delta-jvm", "postgres-two_phase", "postgres-idempotent", "kafka", "kafka-at_least_once",
+         "iceberg", "iceberg-upsert")
 SALT = "onceflow-verify-"
+#: the ``delete_when`` of ``iceberg-upsert``: a key whose last event satisfies it must be absent
+UPSERT_DELETE_EVERY = 11
+UPSERT_DELETE_SQL = f"id % {UPSERT_DELETE_EVERY} = 0"
+
+
+def upsert_keys(events: int) -> int:
+    """K, the number of keys of ``iceberg-upsert`` (``key = id % K``): several events per key in
+    every batch, so each batch rewrites rows of every key and deduplicates within itself."""
+    return max(1, min(5000, events // 4))
 
 
 def payload(event_id: int) -> str:
@@ -78,7 +89,14 @@ class VerifySpec:
             return os.path.join(self.workdir, "table")
         if self.sink.startswith("postgres"):
             return f"onceflow_verify_{self.name}"
+        if self.sink.startswith("iceberg"):
+            return f"verify.t_{self.name}"
         return f"onceflow-verify-out-{self.name}"
+
+    @property
+    def iceberg_catalog(self) -> str:
+        """The Iceberg sinks' embedded catalog: an SQLite file in the work directory."""
+        return f"sqlite:///{os.path.join(self.workdir, 'iceberg', 'catalog.db')}"
 
     @property
     def input_topic(self) -> str:
