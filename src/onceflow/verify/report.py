@@ -26,6 +26,7 @@ def summary(result: VerifyResult) -> dict:
         "missing": r.missing,
         "unexpected_ids": r.unexpected,
         "corrupted_payloads": r.corrupted,
+        "state_errors": r.state_errors,
         "records_processed_incl_replays": result.processed,
         "restarts": result.restarts,
         "faults": len(result.faults),
@@ -48,13 +49,15 @@ def to_json(result: VerifyResult) -> str:
 def print_report(result: VerifyResult, console: Console) -> None:
     s = summary(result)
     t = Table(title=f"onceflow verify: {s['pipeline']} (seed {s['seed']}), independent check", show_header=False)
+    upsert = result.spec.sink == "iceberg-upsert"  # one row per key: see check_upserts
     rows = [
-        ("events generated", f"{s['events_generated']:,}"),
-        ("events committed", f"{s['events_committed']:,}"),
-        ("duplicates", f"{s['duplicates']:,}"),
+        ("keys expected (last event no delete)" if upsert else "events generated", f"{s['events_generated']:,}"),
+        ("rows in the table" if upsert else "events committed", f"{s['events_committed']:,}"),
+        ("duplicates (a key twice)" if upsert else "duplicates", f"{s['duplicates']:,}"),
         ("missing", f"{s['missing']:,}"),
         ("corrupted payloads", f"{s['corrupted_payloads']:,}"),
-        ("ids never generated", f"{s['unexpected_ids']:,}"),
+        ("deleted or unknown keys present" if upsert else "ids never generated", f"{s['unexpected_ids']:,}"),
+        *([("stale rows + batches not applied once", f"{s['state_errors']:,}")] if upsert else []),
         ("records processed incl. replays", f"{s['records_processed_incl_replays']:,}"),
         ("faults injected", str(s["faults"])),
         ("restarts (driver and query)", str(s["restarts"])),
