@@ -14,6 +14,12 @@ conditional update. So "after decide" and "mid-commit" are no windows here: what
 is visible. Files of failed or speculative attempts are deleted after the commit and on
 recovery.
 
+Upserts (``write=upsert``, :mod:`.upsert`): the tasks' files are staged rows; the decision
+snapshot removes the data files holding the batch's keys and adds their rewrites and the
+batch's winning rows (summary entry ``onceflow.outputs``), with the same check, fence and
+conditional commit, re-planned on the new metadata after every refused commit. The staged
+files are deleted after the commit like a losing attempt's.
+
 Fencing: :meth:`IcebergDataSource.acquire_epoch` commits a snapshot (no files) raising the
 lineage's epoch. Each decision is checked against, and committed on top of, exactly the
 metadata it read: its commit requires ``main`` to still be at the snapshot it was based on, so
@@ -348,7 +354,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
                 if (stored.handles is not None and stored.epoch == decision.epoch
                         and stored.fingerprint == decision.fingerprint
                         and sorted(h["path"] for h in stored.handles) == sorted(names)):
-                    self._remember(decision, self._added(table, decision.lineage, decision.batch_id) or [])
+                    added = self._added(table, decision.lineage, decision.batch_id)
+                    self._remember(decision, names if added is None else added)
                     return  # our own earlier attempt landed
                 raise fenced(self.format_name, decision.lineage, decision.epoch, state.epoch,
                              f"{what} (already decided by another commit)")
