@@ -508,3 +508,27 @@ def test_doctor_reports_the_catalog_table_and_onceflow_lineages(tmp_path):
         assert text in out.output, out.output
     missing = CliRunner().invoke(doctor, ["--iceberg", url, "lake.none"])
     assert missing.exit_code == 1 and "lake.none does not exist" in missing.output
+
+
+def test_upsert_on_a_composite_key_replaces_only_exact_matches(tmp_path):
+    """keys=["a", "b"]: rows are matched on both columns (a semi-join, not per column), so
+    (1, "x") replaced and (1, "y"), (2, "x") untouched although each shares a column value."""
+    from onceflow import IcebergSink
+
+    schema = StructType([StructField("a", LongType()), StructField("b", StringType()), StructField("n", LongType())])
+    ds = IcebergSink(f"sqlite:///{tmp_path}/catalog.db", "lake.c", write="upsert", keys=["a", "b"]).data_source()
+    ds.write_schema = schema
+    ds.validate(schema, False)
+    lineage = str(uuid.uuid4())
+    epoch = ds.open(lineage)
+
+    def batch(n: int, rows: list[tuple]) -> None:
+        data = pa.table({"a": pa.array([r[0] for r in rows], pa.int64()), "b": [r[1] for r in rows],
+                         "n": pa.array([r[2] for r in rows], pa.int64())})
+        h, _ = ds.pre_commit(TaskInfo(lineage, n, 0, 0), schema, False, iter(data.to_batches()))
+        ds.decide(Decision(lineage, n, f"fp{n}", [h], epoch), schema, False)
+
+    batch(0, [(1, "x", 0), (1, "y", 0), (2, "x", 0), (2, "y", 0)])
+    batch(1, [(1, "x", 1), (2, "y", 1), (2, "y", 2), (3, "z", 1)])
+    got = sorted((r["a"], r["b"], r["n"]) for r in ds._table().scan().to_arrow().to_pylist())
+    assert got == [(1, "x", 1), (1, "y", 0), (2, "x", 0), (2, "y", 2), (3, "z", 1)]
