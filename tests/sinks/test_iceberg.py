@@ -508,6 +508,9 @@ def test_doctor_reports_the_catalog_table_and_onceflow_lineages(tmp_path):
         assert text in out.output, out.output
     missing = CliRunner().invoke(doctor, ["--iceberg", url, "lake.none"])
     assert missing.exit_code == 1 and "lake.none does not exist" in missing.output
+    nowhere = CliRunner().invoke(doctor, ["--iceberg", f"sqlite:///{tmp_path}/none/c.db", "lake.u"])
+    assert nowhere.exit_code == 1 and "no SQLite catalog at" in nowhere.output
+    assert not (tmp_path / "none").exists(), "looking created nothing"
 
 
 def test_upsert_on_a_composite_key_replaces_only_exact_matches(tmp_path):

@@ -10,6 +10,7 @@ appends or upserts. Never commits, never fences a running job.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +56,11 @@ def doctor(catalog: str | Mapping[str, Any], table: str, warehouse: str | None =
             catalog = json.loads(catalog)
         except ValueError as e:
             return [CheckResult("catalog", False, f"not valid JSON: {e}")]
+    if isinstance(catalog, str) and catalog.startswith("sqlite:///"):
+        db = catalog.removeprefix("sqlite:///")
+        if db and not db.startswith(":") and not os.path.exists(db):  # do not create it by looking
+            return [CheckResult("catalog", False, f"no SQLite catalog at {db} (the sink creates it when its "
+                                "query starts)")]
     try:
         spec = catalogs.catalog_spec(catalog, warehouse, catalog_name)
         cat = catalogs.load(spec)
