@@ -22,7 +22,10 @@ of a batch would not change its rows, the raw log is also checked for one MERGE 
 
 Iceberg runs on an SQLite catalog and has one more window, ``after_catalog_commit``: the
 catalog took the batch's snapshot and the commit raises as if its reply were lost; its output is
-read back through pyiceberg's scan of the table's metadata.
+read back through pyiceberg's scan of the table's metadata. ``iceberg-upsert`` replaces rows on
+``keys=["id"]`` (every id its own key, so a lost id still shows) with a ``delete_when`` that never
+holds; as a second application of a batch would not change its rows, the snapshot history is
+also checked for at most one snapshot per batch (both Iceberg cases).
 
 Kafka runs on tansu, which does not hide aborted transactions from read_committed readers
 (the sink's probe refuses exactly_once there; here it is bypassed). In these windows no
@@ -50,7 +53,7 @@ from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
 SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "delta-upsert", "postgres-two_phase",
-         "postgres-idempotent", "kafka", "iceberg"]
+         "postgres-idempotent", "kafka", "iceberg", "iceberg-upsert"]
 #: the crash windows and the zombie chains run minutes per sink: every sink and write path, and
 #: partitioning on the Arrow path only (both writers' partitioned commits are also crashed and
 #: replayed in test_delta_partitioned.py; the fence does not depend on partitioning)
@@ -136,9 +139,10 @@ def _postgres_case(pg, mode: str) -> Case:
                 read_ids, dangling, points)
 
 
-def _iceberg_case(tmp_path: Path) -> Case:
+def _iceberg_case(tmp_path: Path, upsert: bool = False) -> Case:
     """A SQLite catalog; read back through pyiceberg's scan (the table's metadata), dangling =
-    Parquet files in the table's data/ directory that the current snapshot does not list."""
+    Parquet files in the table's data/ directory that no snapshot lists, and batches applied
+    by more than one snapshot."""
     from pyiceberg.catalog.sql import SqlCatalog
 
     db, warehouse = tmp_path / "catalog.db", tmp_path / "warehouse"
@@ -151,13 +155,20 @@ def _iceberg_case(tmp_path: Path) -> Case:
 
     def dangling() -> list[str]:
         t = table()
-        live = {p.rsplit("/", 1)[-1] for p in t.inspect.files().column("file_path").to_pylist()}
+        live = {p.rsplit("/", 1)[-1] for p in t.inspect.all_files().column("file_path").to_pylist()}
         data = Path(t.location().removeprefix("file://")) / "data"
-        return sorted(n for n in os.listdir(data) if n.endswith(".parquet") and n not in live)
+        seen: dict[tuple[str, str], int] = {}
+        for snap in t.metadata.snapshots:
+            props = snap.summary.additional_properties if snap.summary else {}
+            if "onceflow.batch" in props:
+                key = (props["onceflow.lineage"], props["onceflow.batch"])
+                seen[key] = seen.get(key, 0) + 1
+        twice = [f"batch {b} of lineage {lin} applied {n} times" for (lin, b), n in seen.items() if n > 1]
+        return sorted(n for n in os.listdir(data) if n.endswith(".parquet") and n not in live) + twice
 
     points = (*Case.points, "after_catalog_commit")
-    return Case("iceberg", {"CATALOG": f"sqlite:///{db}", "WAREHOUSE": str(warehouse)}, read_ids, dangling,
-                points)
+    env = {"CATALOG": f"sqlite:///{db}", "WAREHOUSE": str(warehouse)} | ({"WRITE": "upsert"} if upsert else {})
+    return Case("iceberg-upsert" if upsert else "iceberg", env, read_ids, dangling, points)
 
 
 def _kafka_case(bootstrap: str) -> Case:
@@ -205,8 +216,8 @@ def case(request, tmp_path) -> Case:
                            kind.endswith("-upsert"))
     if kind.startswith("postgres"):
         return _postgres_case(request.getfixturevalue("pg"), kind.split("-", 1)[1])
-    if kind == "iceberg":
-        return _iceberg_case(tmp_path)
+    if kind.startswith("iceberg"):
+        return _iceberg_case(tmp_path, kind.endswith("-upsert"))
     return _kafka_case(request.getfixturevalue("kafka_bootstrap"))
 
 
@@ -228,8 +239,11 @@ def build_sink(env):
         from onceflow import PostgresSink
         return PostgresSink(env["DSN"], env["PGTABLE"], mode=env["MODE"], create_table=True,
                             sink_id=env["SINK_ID"], commit_deadline=20)
-    if kind == "iceberg":
+    if kind.startswith("iceberg"):
         from onceflow import IcebergSink
+        if env.get("WRITE") == "upsert":  # every id its own key; the delete flag column never set
+            return IcebergSink(env["CATALOG"], "lake.conf", warehouse=env["WAREHOUSE"], write="upsert",
+                               keys=["id"], delete_when="id < 0")
         return IcebergSink(env["CATALOG"], "lake.conf", warehouse=env["WAREHOUSE"])
     from onceflow.sinks.kafka import KafkaSink
     # marker_start_step=0: every batch records the lineage's marker start, so restarted

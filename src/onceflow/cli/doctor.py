@@ -9,6 +9,8 @@
   and rolls back undecided onceflow prepared transactions of stopped jobs.
 * ``--delta PATH``: a Delta table's version, partitioning, schema, protocol and table features,
   the onceflow lineages in its recent commits, and task files not yet cleaned up.
+* ``--iceberg CATALOG TABLE``: the Iceberg sink's catalog and table (format version, partition
+  spec, snapshot count) and the onceflow lineages in its snapshot summaries; read only.
 * no option: every registered sink with its modes and their guarantees.
 
 Exit code 1 when a check fails, 0 otherwise.
@@ -25,6 +27,7 @@ _MODES = {
     "onceflow-delta": ("mode", ("append", "complete"), {"path": "/tmp/unused"}),
     "onceflow-postgres": ("mode", ("two_phase", "idempotent"), {"dsn": "host=unused", "table": "unused"}),
     "onceflow-kafka-sink": ("mode", ("exactly_once", "at_least_once"), {"bootstrap_servers": "unused:9092"}),
+    "onceflow-iceberg": ("write", ("append",), {"catalog": "sqlite:////tmp/onceflow-unused/c.db", "table": "a.b"}),
 }
 
 
@@ -63,6 +66,8 @@ def _list_guarantees() -> None:
         if fmt == "onceflow-delta":
             click.echo("  write=upsert: exactly-once: one MERGE per batch (the last event per key wins, "
                        "deletes delete) committed with the batch's app transaction; a replay merges nothing")
+        if fmt == "onceflow-iceberg":
+            click.echo(f"  write=upsert: {cls({**base, 'write': 'upsert', 'keys': 'k'}).describe_guarantee()}")
 
 
 @click.command("doctor")
@@ -71,6 +76,10 @@ def _list_guarantees() -> None:
 @click.option("--postgres", "postgres", metavar="DSN", help="Check a PostgreSQL server for the PostgreSQL sink.")
 @click.option("--delta", "delta", metavar="PATH", multiple=True,
               help="Report a Delta table (repeatable): partitioning, schema, protocol features, onceflow lineages.")
+@click.option("--iceberg", "iceberg", nargs=2, metavar="CATALOG TABLE", default=None,
+              help="Check an Iceberg catalog (sqlite:///path/catalog.db, postgresql+psycopg://..., or a "
+                   "JSON object of pyiceberg properties) and table (namespace.name) for the Iceberg sink.")
+@click.option("--warehouse", default=None, help="With --iceberg and a PostgreSQL catalog: its warehouse.")
 @click.option("--resolve", is_flag=True,
               help="With --postgres: commit decided / roll back undecided onceflow prepared transactions.")
 @click.option("--timeout", default=20.0, show_default=True, metavar="SECONDS",
@@ -81,13 +90,14 @@ def _list_guarantees() -> None:
 @click.option("--marker-topic", "marker_topic", default="__onceflow_markers", show_default=True,
               help="With --kafka: the Kafka sink's marker topic to check.")
 @click.pass_context
-def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, delta: tuple[str, ...], resolve: bool,
-           timeout: float, transaction_timeout: float, marker_topic: str) -> None:
+def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, delta: tuple[str, ...],
+           iceberg: tuple[str, str] | None, warehouse: str | None, resolve: bool, timeout: float,
+           transaction_timeout: float, marker_topic: str) -> None:
     """Check sink systems and print the guarantee of every sink mode."""
     if resolve and not postgres:
         raise click.UsageError("--resolve needs --postgres DSN")
     failed = False
-    if not kafka and not postgres and not delta:
+    if not kafka and not postgres and not delta and not iceberg:
         _list_guarantees()
         return
     for path in delta:
@@ -95,6 +105,16 @@ def doctor(ctx: click.Context, kafka: str | None, postgres: str | None, delta: t
 
         click.echo(f"Delta table {path}:")
         for check in delta_doctor(path):
+            _print(check.name, check.ok, check.detail)
+            failed |= not check.ok
+    if iceberg:
+        try:
+            from onceflow.sinks.iceberg.doctor import doctor as iceberg_doctor
+        except ImportError as e:
+            raise click.UsageError(f"--iceberg needs pyiceberg ({e}): pip install 'onceflow[iceberg]'") from None
+
+        click.echo(f"Iceberg table {iceberg[1]}:")
+        for check in iceberg_doctor(iceberg[0], iceberg[1], warehouse):
             _print(check.name, check.ok, check.detail)
             failed |= not check.ok
     if kafka:

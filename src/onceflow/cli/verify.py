@@ -37,8 +37,8 @@ EXIT_INCONCLUSIVE = 3
 @click.option("--source", type=click.Choice(SOURCES), default="sequence", show_default=True)
 @click.option("--sink", type=click.Choice(SINKS), default="delta", show_default=True,
               help="delta: the Delta sink's Python (arrow) write path; delta-jvm: its JVM write path, which "
-                   "DeltaSink(path) runs for a local table in a Job; delta-upsert: MERGE of CDC events (4 per key, "
-                   "every 11th a delete), checked per key. kafka-at_least_once is a control that "
+                   "DeltaSink(path) runs for a local table in a Job; delta-upsert and iceberg-upsert: events upserted "
+                   "on key = id % K (every 11th id a delete), checked per key and per batch. kafka-at_least_once is a control that "
                    "is NOT exactly-once: verify must fail it.")
 @click.option("--faults", "faults", default="driver_kill,jvm_kill,worker_kill", show_default=True,
               help=f"Comma-separated fault kinds, injected in a seeded random order. {FAULT_HELP}.")

@@ -428,6 +428,31 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             log.warning("could not append to the event log: %s", e)
 
 
+#: the boolean column an upsert's ``delete_when`` is computed into by Spark (never written)
+DELETE_COLUMN = "_onceflow_delete"
+
+
+def with_delete_flag(df: Any, predicate: str | None, sink: str) -> Any:
+    """``df`` plus :data:`DELETE_COLUMN` = ``predicate`` (a SQL predicate over its columns),
+    analysed now; ``df`` itself without a predicate. ConfigError in one line for a predicate
+    Spark rejects, or a stream that already has the column."""
+    if not predicate:
+        return df
+    from pyspark.errors import PySparkException
+    from pyspark.sql import functions as F
+
+    if DELETE_COLUMN in df.columns:
+        raise ConfigError(f"{sink}: the stream has a column {DELETE_COLUMN}, which delete_when computes")
+    try:
+        out = df.withColumn(DELETE_COLUMN, F.expr(predicate).cast("boolean"))
+        out.schema  # noqa: B018 - analyse now: a bad predicate fails here, in one line
+    except PySparkException as e:
+        first = str(e).strip().splitlines()[0]
+        raise ConfigError(f"{sink}(delete_when={predicate!r}) is not a SQL predicate over the stream's "
+                          f"columns ({', '.join(df.columns)}): {first}") from None
+    return out
+
+
 class Sink(ABC):
     """User-facing sink configuration: a format name and its options for ``writeStream``."""
 

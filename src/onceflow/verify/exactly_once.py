@@ -52,36 +52,6 @@ def check_ids(ids: np.ndarray, expected: int) -> Report:
     )
 
 
-def check_upserts(table: pa.Table, events: int) -> Report:
-    """An upsert run's table against the events alone: each key ``k`` holds its last event
-    (the largest id of the key, see :func:`onceflow.verify.spec.upsert_keys`) with that
-    event's payload, or is absent when that event deletes it. ``expected``: keys that must be
-    present; ``duplicates``: rows beyond one per key; ``missing``: keys absent or holding an
-    older event (a lost or re-applied batch); ``unexpected``: keys present that were deleted
-    or never written; ``corrupted``: rows whose payload or checksum is not their id's."""
-    from onceflow.verify.spec import DELETE_AT, DELETE_EVERY, checksum, payload, upsert_keys
-
-    keys = upsert_keys(events)
-    k_all = np.arange(keys, dtype=np.int64)
-    last = k_all + keys * ((events - 1 - k_all) // keys)  # the newest event of each key
-    alive = last % DELETE_EVERY != DELETE_AT
-    got_k = table.column("k").to_numpy(zero_copy_only=False).astype(np.int64)
-    got_id = table.column("id").to_numpy(zero_copy_only=False).astype(np.int64)
-    in_range = (got_k >= 0) & (got_k < keys)
-    counts = np.bincount(got_k[in_range], minlength=keys)
-    held = np.full(keys, -1, dtype=np.int64)
-    held[got_k[in_range]] = got_id[in_range]
-    wrong = np.flatnonzero(alive & ((counts == 0) | (held != last)))
-    resurrected = int(np.count_nonzero(~alive & (counts > 0))) + int(np.count_nonzero(~in_range))
-    bad = [i for i, p, c in zip(got_id.tolist(), table.column("payload").to_pylist(),
-                                table.column("checksum").to_pylist(), strict=True)
-           if p is None or c is None or p != payload(i) or c != checksum(p)]
-    return Report(expected=int(alive.sum()), committed=table.num_rows, distinct=int(np.count_nonzero(counts)),
-                  duplicates=int((counts[counts > 1] - 1).sum()), missing=int(wrong.size),
-                  unexpected=resurrected, corrupted=len(bad), sample_corrupted=bad[:10],
-                  sample_missing=wrong[:10].tolist(), sample_duplicates=np.flatnonzero(counts > 1)[:10].tolist())
-
-
 def check_running_counts(table: pa.Table) -> int:
     """Rows whose ``running_count`` is not its rank by id within its key (0 when state is exact)."""
     if "running_count" not in table.column_names or table.num_rows == 0:
@@ -111,16 +81,48 @@ def check_delta_table(path: str, expected: int, storage_options: dict | None = N
     return report
 
 
-def check_events(table: pa.Table, expected: int) -> Report:
-    """``check_ids`` on ``table.id``, plus rows whose payload or checksum is not their id's."""
+def check_upserts(table: pa.Table, events: int, keys: int, delete_every: int, decided: list[int]) -> Report:
+    """The ``*-upsert`` check: ``key = id % keys`` upserted in id order, a key whose last
+    event id is a multiple of ``delete_every`` deleted. Every other key's row must be its last
+    event (``state_errors``: stale rows, plus batches that ``decided`` (the snapshot history)
+    shows applied twice or never), present once (``duplicates``, ``missing``); deleted or
+    unknown keys absent (``unexpected``); payloads their ids' (``corrupted``)."""
+    ks = np.arange(min(keys, events), dtype=np.int64)
+    last = ks + keys * ((events - 1 - ks) // keys)
+    alive = last % delete_every != 0
+    got_keys = table.column("key").to_numpy(zero_copy_only=False).astype(np.int64)
+    got_ids = table.column("id").to_numpy(zero_copy_only=False).astype(np.int64)
+    known = (got_keys >= 0) & (got_keys < ks.size)
+    counts = np.bincount(got_keys[known], minlength=ks.size)
+    resurrected = known & ~alive[np.where(known, got_keys, 0)]
+    stale = known & ~resurrected & (got_ids != last[np.where(known, got_keys, 0)])
+    seen = np.bincount(np.asarray(decided, dtype=np.int64), minlength=1) if decided else np.zeros(0, np.int64)
+    history = int((seen[seen > 1] - 1).sum()) + int(np.count_nonzero(seen == 0))
+    missing = np.flatnonzero(alive & (counts == 0))
+    report = Report(
+        expected=int(alive.sum()), committed=int(table.num_rows), distinct=int(np.count_nonzero(counts)),
+        duplicates=int((counts[counts > 1] - 1).sum()), missing=int(missing.size),
+        unexpected=int(np.count_nonzero(~known) + np.count_nonzero(resurrected)),
+        state_errors=int(np.count_nonzero(stale)) + history,
+        sample_missing=missing[:10].tolist(), sample_duplicates=np.flatnonzero(counts > 1)[:10].tolist(),
+    )
+    report.corrupted, report.sample_corrupted = _corrupted(table)
+    return report
+
+
+def _corrupted(table: pa.Table) -> tuple[int, list[int]]:
     from onceflow.verify.spec import checksum, payload
 
-    report = check_ids(table.column("id").to_numpy(), expected)
     bad = [
         i for i, p, c in zip(table.column("id").to_pylist(), table.column("payload").to_pylist(),
                              table.column("checksum").to_pylist(), strict=True)
         if p is None or c is None or p != payload(i) or c != checksum(p)
     ]
-    report.corrupted = len(bad)
-    report.sample_corrupted = bad[:10]
+    return len(bad), bad[:10]
+
+
+def check_events(table: pa.Table, expected: int) -> Report:
+    """``check_ids`` on ``table.id``, plus rows whose payload or checksum is not their id's."""
+    report = check_ids(table.column("id").to_numpy(), expected)
+    report.corrupted, report.sample_corrupted = _corrupted(table)
     return report

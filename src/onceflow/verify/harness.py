@@ -31,8 +31,8 @@ from onceflow.errors import ConfigError, OnceflowError
 from onceflow.verify import procs, setup
 from onceflow.verify.exactly_once import Report, check_events, check_upserts
 from onceflow.verify.faults import FAULTS, FaultMissed
-from onceflow.verify.readers import dangling, read_output
-from onceflow.verify.spec import Options, VerifySpec
+from onceflow.verify.readers import dangling, delta_decided, iceberg_decided, read_output
+from onceflow.verify.spec import UPSERT_DELETE_EVERY, Options, VerifySpec, upsert_keys
 
 
 @dataclass
@@ -203,8 +203,12 @@ class Harness:
             events = list(self.events())  # before a tmpfs checkpoint is unmounted
         ended = time.time()
         table = read_output(self.spec)
-        report = (check_upserts(table, self.spec.events) if self.spec.sink == "delta-upsert"
-                  else check_events(table, self.spec.events))
+        if self.spec.sink.endswith("-upsert"):
+            decided = iceberg_decided(self.spec) if self.spec.sink == "iceberg-upsert" else delta_decided(self.spec)
+            report = check_upserts(table, self.spec.events, upsert_keys(self.spec.events), UPSERT_DELETE_EVERY,
+                                   decided)
+        else:
+            report = check_events(table, self.spec.events)
         commits = [(e["ts"], e["rows"]) for e in events if e["event"] == "sink_commit" and not e.get("replay")]
         for r in records:
             r.recovered = next((c["ts"] for c in events if c["event"] == "sink_commit" and r.recovered_by(c)), None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from onceflow import (
     CheckpointConfig,
     DeltaSink,
+    IcebergSink,
     Job,
     KafkaSink,
     KafkaSource,
@@ -16,7 +17,7 @@ from onceflow import (
     fixed_delay,
 )
 from onceflow.sinks.base import Sink
-from onceflow.verify.spec import DELETE_AT, DELETE_EVERY, SALT, VerifySpec, upsert_keys
+from onceflow.verify.spec import SALT, UPSERT_DELETE_SQL, VerifySpec, upsert_keys
 
 #: payload(i) and crc32(payload(i)), as Spark SQL computes them from ``id``
 PAYLOAD_SQL = f"substr(sha2(concat('{SALT}', CAST(id AS STRING)), 256), 1, 32)"
@@ -44,9 +45,8 @@ def transform(df):
         df = df.selectExpr("id", f"{PAYLOAD_SQL} AS payload").selectExpr(
             "id", "payload", "crc32(payload) AS checksum")
     spec = VerifySpec.from_env()
-    if spec.sink == "delta-upsert":  # CDC: key, and whether the event deletes it
-        return df.selectExpr(f"id % {upsert_keys(spec.events)} AS k", "id", "payload", "checksum",
-                             f"CASE WHEN id % {DELETE_EVERY} = {DELETE_AT} THEN 'd' ELSE 'u' END AS op")
+    if spec.sink.endswith("-upsert"):
+        return df.selectExpr(f"id % {upsert_keys(spec.events)} AS key", "id", "payload", "checksum")
     if spec.sink.startswith("kafka"):
         return df.selectExpr("CAST(id AS STRING) AS key",
                              "concat_ws(',', CAST(id AS STRING), payload, CAST(checksum AS STRING)) AS value")
@@ -55,10 +55,15 @@ def transform(df):
 
 def sink(spec: VerifySpec) -> Sink:
     if spec.sink == "delta-upsert":
-        return DeltaSink(spec.table, sink_id=spec.sink_id, write="upsert", keys=["k"], order_by="id",
-                         delete_when="op = 'd'")
+        return DeltaSink(spec.table, sink_id=spec.sink_id, write="upsert", keys=["key"], order_by="id",
+                         delete_when=UPSERT_DELETE_SQL)
     if spec.sink.startswith("delta"):
         return DeltaSink(spec.table, sink_id=spec.sink_id, writer="jvm" if spec.sink == "delta-jvm" else "arrow")
+    if spec.sink == "iceberg":
+        return IcebergSink(spec.iceberg_catalog, spec.table, sink_id=spec.sink_id)
+    if spec.sink == "iceberg-upsert":
+        return IcebergSink(spec.iceberg_catalog, spec.table, sink_id=spec.sink_id, write="upsert", keys=["key"],
+                           order_by="id", delete_when=UPSERT_DELETE_SQL)
     if spec.sink.startswith("postgres"):
         mode = spec.sink.split("-", 1)[1]
         return PostgresSink(spec.postgres, spec.table, mode=mode, create_table=True, sink_id=spec.sink_id,

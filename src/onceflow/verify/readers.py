@@ -9,9 +9,13 @@
   not hide aborted transactions shows their records here as duplicates (the defect onceflow's
   broker probe warns about). Dangling: not observable from a client (open transactions are
   aborted by the broker's transaction timeout), reported as none.
+* Iceberg: pyiceberg's scan of the table's current snapshot (manifests and Parquet files read
+  by pyiceberg and pyarrow; no sink code). Dangling: Parquet files in the table's ``data/``
+  directory that no snapshot lists. :func:`iceberg_decided` reads the batch ids the snapshot
+  summaries record, for the upsert check (a batch applied twice or never).
 
-Each reader returns a table ``(id int64, payload string, checksum int64)``, with the key ``k``
-first for upsert runs.
+Each reader returns a table ``(id int64, payload string, checksum int64)`` (the ``*-upsert``
+sinks: also ``key int64``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def read_output(spec: VerifySpec) -> pa.Table:
         return _read_delta(spec)
     if spec.sink.startswith("postgres"):
         return _read_postgres(spec)
+    if spec.sink.startswith("iceberg"):
+        return _read_iceberg(spec)
     return _read_kafka(spec)
 
 
@@ -46,7 +52,72 @@ def dangling(spec: VerifySpec) -> list[str]:
         rows = _pg_query(spec, "SELECT gid FROM pg_prepared_xacts WHERE gid LIKE %s",
                          (f"onceflow:{spec.sink_id}:%",))
         return [r[0] for r in rows]
+    if spec.sink.startswith("iceberg"):
+        return _iceberg_orphans(spec)
     return []
+
+
+def _iceberg_table(spec: VerifySpec):
+    """The table through pyiceberg's own SQL catalog (None: never created)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+    db = spec.iceberg_catalog.removeprefix("sqlite:///")
+    if not os.path.exists(db):
+        return None
+    try:
+        return SqlCatalog("onceflow", uri=spec.iceberg_catalog).load_table(spec.table)
+    except (NoSuchTableError, NoSuchNamespaceError):
+        return None
+
+
+def _read_iceberg(spec: VerifySpec) -> pa.Table:
+    table = _iceberg_table(spec)
+    columns = ["id", "payload", "checksum"] + (["key"] if spec.sink == "iceberg-upsert" else [])
+    schema = SCHEMA.append(pa.field("key", pa.int64())) if "key" in columns else SCHEMA
+    if table is None:
+        return schema.empty_table()
+    return table.scan(selected_fields=tuple(columns)).to_arrow().select(columns).cast(schema)
+
+
+def _iceberg_orphans(spec: VerifySpec) -> list[str]:
+    table = _iceberg_table(spec)
+    if table is None:
+        return []
+    live = {p.rsplit("/", 1)[-1] for p in table.inspect.all_files().column("file_path").to_pylist()}
+    data = os.path.join(table.location().removeprefix("file://"), "data")
+    names = os.listdir(data) if os.path.isdir(data) else []
+    return sorted(n for n in names if n.endswith(".parquet") and n not in live)
+
+
+def iceberg_decided(spec: VerifySpec) -> list[int]:
+    """Batch ids recorded in the summaries of the table's snapshots of this run's sink (one
+    entry per snapshot: a batch applied twice appears twice)."""
+    table = _iceberg_table(spec)
+    out = []
+    for snap in table.metadata.snapshots if table is not None else ():
+        props = snap.summary.additional_properties if snap.summary is not None else {}
+        if props.get("onceflow.sink") == spec.sink_id and "onceflow.batch" in props:
+            out.append(int(props["onceflow.batch"]))
+    return out
+
+
+def delta_decided(spec: VerifySpec) -> list[int]:
+    """Batch ids of the decisions in the table's raw JSON log (commitInfo's ``onceflow`` entry
+    of every commit that decided a batch: a MERGE, or an empty batch's commit); one entry per
+    commit, so a batch applied twice appears twice."""
+    out = []
+    log_dir = os.path.join(spec.table, "_delta_log")
+    for name in sorted(os.listdir(log_dir)) if os.path.isdir(log_dir) else ():
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(log_dir, name)) as f:
+            for action in map(json.loads, f):
+                meta = (action.get("commitInfo") or {}).get("onceflow")
+                meta = json.loads(meta) if isinstance(meta, str) else meta
+                if meta and isinstance(meta.get("batch"), int):
+                    out.append(meta["batch"])
+    return out
 
 
 def _read_delta(spec: VerifySpec) -> pa.Table:
@@ -54,7 +125,7 @@ def _read_delta(spec: VerifySpec) -> pa.Table:
     from deltalake.exceptions import TableNotFoundError
 
     upsert = spec.sink == "delta-upsert"
-    schema = SCHEMA.insert(0, pa.field("k", pa.int64())) if upsert else SCHEMA
+    schema = SCHEMA.append(pa.field("key", pa.int64())) if upsert else SCHEMA
     try:
         table = DeltaTable(spec.table).to_pyarrow_table(columns=schema.names)
     except TableNotFoundError:  # nothing was ever committed

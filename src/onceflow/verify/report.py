@@ -26,6 +26,7 @@ def summary(result: VerifyResult) -> dict:
         "missing": r.missing,
         "unexpected_ids": r.unexpected,
         "corrupted_payloads": r.corrupted,
+        "state_errors": r.state_errors,
         "records_processed_incl_replays": result.processed,
         "restarts": result.restarts,
         "faults": len(result.faults),
@@ -48,14 +49,15 @@ def to_json(result: VerifyResult) -> str:
 def print_report(result: VerifyResult, console: Console) -> None:
     s = summary(result)
     t = Table(title=f"onceflow verify: {s['pipeline']} (seed {s['seed']}), independent check", show_header=False)
-    upsert = result.spec.sink == "delta-upsert"  # the same checks, per key (check_upserts)
+    upsert = result.spec.sink.endswith("-upsert")  # one row per key: see check_upserts
     rows = [
-        ("keys expected present" if upsert else "events generated", f"{s['events_generated']:,}"),
+        ("keys expected (last event no delete)" if upsert else "events generated", f"{s['events_generated']:,}"),
         ("rows in the table" if upsert else "events committed", f"{s['events_committed']:,}"),
-        ("keys held twice" if upsert else "duplicates", f"{s['duplicates']:,}"),
-        ("keys missing or not at their last event" if upsert else "missing", f"{s['missing']:,}"),
+        ("duplicates (a key twice)" if upsert else "duplicates", f"{s['duplicates']:,}"),
+        ("missing", f"{s['missing']:,}"),
         ("corrupted payloads", f"{s['corrupted_payloads']:,}"),
         ("deleted or unknown keys present" if upsert else "ids never generated", f"{s['unexpected_ids']:,}"),
+        *([("stale rows + batches not applied once", f"{s['state_errors']:,}")] if upsert else []),
         ("records processed incl. replays", f"{s['records_processed_incl_replays']:,}"),
         ("faults injected", str(s["faults"])),
         ("restarts (driver and query)", str(s["restarts"])),

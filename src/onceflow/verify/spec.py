@@ -23,25 +23,25 @@ from onceflow.settings import setting
 SOURCES = ("sequence", "kafka")
 #: sink kinds; ``delta`` is the Delta sink's Arrow write path, ``delta-jvm`` its JVM write path
 #: (what ``DeltaSink(path)`` runs for a local table in a Job); ``kafka-at_least_once`` is the
-#: deliberately non-exactly-once control; ``delta-upsert`` merges CDC events (see :func:`upsert_key`)
+#: deliberately non-exactly-once control; the ``*-upsert`` sinks upsert on ``key = id % K``
+#: (:func:`upsert_keys`) ordered by id, deleting where :data:`UPSERT_DELETE_SQL` holds
 SINKS = ("delta", "delta-jvm", "delta-upsert", "postgres-two_phase", "postgres-idempotent", "kafka",
-         "kafka-at_least_once")
+         "kafka-at_least_once", "iceberg", "iceberg-upsert")
 SALT = "onceflow-verify-"
+#: the ``delete_when`` of the ``*-upsert`` sinks: a key whose last event satisfies it must be absent
+UPSERT_DELETE_EVERY = 11
+UPSERT_DELETE_SQL = f"id % {UPSERT_DELETE_EVERY} = 0"
+
+
+def upsert_keys(events: int) -> int:
+    """K, the number of keys of the ``*-upsert`` sinks (``key = id % K``): several events per key in
+    every batch, so each batch rewrites rows of every key and deduplicates within itself."""
+    return max(1, min(5000, events // 4))
 
 
 def payload(event_id: int) -> str:
     """The payload event ``event_id`` must arrive with."""
     return hashlib.sha256(f"{SALT}{event_id}".encode()).hexdigest()[:32]
-
-
-#: upsert runs: events per key (event ``i`` is of key ``i % keys``, ``keys = events // 4``), and
-#: every event ``i`` with ``i % DELETE_EVERY == DELETE_AT`` deletes its key
-EVENTS_PER_KEY, DELETE_EVERY, DELETE_AT = 4, 11, 5
-
-
-def upsert_keys(events: int) -> int:
-    """How many keys an upsert run's ``events`` events update."""
-    return max(1, events // EVENTS_PER_KEY)
 
 
 def checksum(text: str) -> int:
@@ -90,7 +90,14 @@ class VerifySpec:
             return os.path.join(self.workdir, "table")
         if self.sink.startswith("postgres"):
             return f"onceflow_verify_{self.name}"
+        if self.sink.startswith("iceberg"):
+            return f"verify.t_{self.name}"
         return f"onceflow-verify-out-{self.name}"
+
+    @property
+    def iceberg_catalog(self) -> str:
+        """The Iceberg sinks' embedded catalog: an SQLite file in the work directory."""
+        return f"sqlite:///{os.path.join(self.workdir, 'iceberg', 'catalog.db')}"
 
     @property
     def input_topic(self) -> str:

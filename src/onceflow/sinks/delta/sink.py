@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import Sink, TwoPhaseCommitSink
-from onceflow.sinks.delta.upsert import DELETE_COLUMN
+from onceflow.sinks.base import DELETE_COLUMN, Sink, TwoPhaseCommitSink, with_delete_flag
 from onceflow.storage import as_options, normalize_url, resolve, scheme_of
 
 log = logging.getLogger(__name__)
@@ -105,21 +104,7 @@ class DeltaSink(Sink):
 
     def prepare(self, df: Any) -> Any:
         """With ``delete_when``: the stream plus its boolean delete flag, computed by Spark."""
-        if not self.delete_when:
-            return df
-        from pyspark.errors import PySparkException
-        from pyspark.sql import functions as F
-
-        if DELETE_COLUMN in df.columns:
-            raise ConfigError(f"DeltaSink: the stream has a column {DELETE_COLUMN}, which delete_when computes")
-        try:
-            out = df.withColumn(DELETE_COLUMN, F.expr(self.delete_when).cast("boolean"))
-            out.schema  # noqa: B018 - analyse now: a bad predicate fails here, in one line
-        except PySparkException as e:
-            first = str(e).strip().splitlines()[0]
-            raise ConfigError(f"DeltaSink(delete_when={self.delete_when!r}) is not a SQL predicate over the "
-                              f"stream's columns ({', '.join(df.columns)}): {first}") from None
-        return out
+        return with_delete_flag(df, self.delete_when, "DeltaSink")
 
     def for_session(self, spark: Any) -> DeltaSink:
         """``writer="auto"`` decided for ``spark``: ``jvm`` on a classic session for a local

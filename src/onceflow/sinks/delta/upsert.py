@@ -31,8 +31,6 @@ from deltalake import CommitProperties, DeltaTable
 
 from onceflow.errors import ConfigError
 
-#: the boolean column ``DeltaSink(delete_when=...)`` adds on the Spark side (never written)
-DELETE_COLUMN = "_onceflow_delete"
 _TASK, _POS, _RANK = "__onceflow_task", "__onceflow_pos", "__onceflow_rank"
 
 

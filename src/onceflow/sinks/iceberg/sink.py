@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import Sink
+from onceflow.sinks.base import DELETE_COLUMN, Sink, with_delete_flag
 from onceflow.sinks.iceberg.catalog import catalog_spec
 from onceflow.storage import as_options
 
@@ -23,8 +23,13 @@ class IcebergSink(Sink):
     ``namespace.name``, created from the stream's schema when the job starts if missing.
     ``warehouse``: where new tables' files go (SQLite default: ``warehouse/`` beside the
     database; required for PostgreSQL). ``sink_id`` distinguishes two Iceberg sinks of one job
-    writing the same table. ``mode``: ``append`` (the only mode so far). Every driver and
-    executor must reach the catalog and the warehouse. docs/iceberg-sink.md.
+    writing the same table. ``mode``: ``append`` (the only output mode). Every driver and
+    executor must reach the catalog and the warehouse.
+    ``write``: ``append`` (default) or ``upsert``: each batch is one snapshot replacing the rows
+    of its ``keys`` (the last event per key in the batch wins: the largest ``order_by`` value,
+    ties broken by the batch's order); ``delete_when``, a SQL predicate over the stream's
+    columns (for example ``"op = 'd'"``), makes a winning event delete its key. Exactly-once as
+    appends: a batch is applied once (docs/iceberg-sink.md, "Upserts and deletes").
     """
 
     catalog: str | Mapping[str, Any]
@@ -34,14 +39,27 @@ class IcebergSink(Sink):
     mode: str | None = None
     catalog_name: str = "onceflow"
     storage_options: Mapping[str, Any] | None = None
+    write: Literal["append", "upsert"] = "append"
+    keys: Sequence[str] | None = None
+    delete_when: str | None = None
+    order_by: str | None = None
 
     format_name = "onceflow-iceberg"
 
     def __post_init__(self) -> None:
         catalog_spec(self.catalog, self.warehouse, self.catalog_name)  # ConfigError early
         if self.mode not in (None, "append"):
-            raise ConfigError(f"IcebergSink.mode={self.mode!r} is not supported yet; use 'append' "
-                              "(upsert and complete are not implemented)")
+            raise ConfigError(f"IcebergSink.mode={self.mode!r} is not supported; use 'append' (complete "
+                              "is not implemented; for upserts give write='upsert' and keys)")
+        if isinstance(self.keys, str):
+            self.keys = [self.keys]
+        if self.write not in ("append", "upsert"):
+            raise ConfigError(f"IcebergSink.write={self.write!r}; use 'append' or 'upsert'")
+        if self.write == "upsert":
+            if not self.keys or not all(isinstance(c, str) and c for c in self.keys):
+                raise ConfigError("IcebergSink(write='upsert') needs keys=[...], the columns that identify a row")
+        elif self.keys or self.delete_when or self.order_by:
+            raise ConfigError("IcebergSink: keys, delete_when and order_by apply to write='upsert' only")
         self.storage_options = as_options(self.storage_options, "IcebergSink.storage_options")
 
     def options(self) -> dict[str, str]:
@@ -54,4 +72,15 @@ class IcebergSink(Sink):
             opts["mode"] = self.mode
         if self.storage_options:
             opts["storage_options"] = json.dumps(dict(self.storage_options))
+        if self.write == "upsert":
+            opts["write"], opts["keys"] = "upsert", json.dumps(list(self.keys or ()))
+            if self.order_by:
+                opts["order_by"] = self.order_by
+            if self.delete_when:
+                opts["delete_column"] = DELETE_COLUMN
         return opts
+
+    def prepare(self, df: Any) -> Any:
+        """With ``delete_when``: the stream plus its boolean delete flag, computed by Spark
+        (never written to the table)."""
+        return with_delete_flag(df, self.delete_when, "IcebergSink")

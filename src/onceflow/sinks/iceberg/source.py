@@ -14,6 +14,12 @@ conditional update. So "after decide" and "mid-commit" are no windows here: what
 is visible. Files of failed or speculative attempts are deleted after the commit and on
 recovery.
 
+Upserts (``write=upsert``, :mod:`.upsert`): the tasks' files are staged rows; the decision
+snapshot removes the data files holding the batch's keys and adds their rewrites and the
+batch's winning rows (summary entry ``onceflow.outputs``), with the same check, fence and
+conditional commit, re-planned on the new metadata after every refused commit. The staged
+files are deleted after the commit like a losing attempt's.
+
 Fencing: :meth:`IcebergDataSource.acquire_epoch` commits a snapshot (no files) raising the
 lineage's epoch. Each decision is checked against, and committed on top of, exactly the
 metadata it read: its commit requires ``main`` to still be at the snapshot it was based on, so
@@ -67,6 +73,15 @@ from onceflow.sinks.iceberg.state import (
     lineage_state,
     state_key,
 )
+from onceflow.sinks.iceberg.upsert import (
+    OUTPUTS,
+    BatchChange,
+    UpsertSpec,
+    check_keys,
+    read_staged,
+    rewrites,
+    write_file,
+)
 from onceflow.storage import as_options, url_to_fs
 
 log = logging.getLogger(__name__)
@@ -104,7 +119,13 @@ class IcebergDataSource(TwoPhaseCommitSink):
         "warehouse": "where new tables' files go (default for SQLite: 'warehouse' beside the database)",
         "catalog_name": "the catalog's name for pyiceberg (default 'onceflow')",
         "sink_id": "name of this sink within the job, part of its summary and state keys (default 'iceberg')",
-        "mode": "append (the only mode so far); default: the query's output mode, which must be append",
+        "mode": "append (the only output mode); default: the query's output mode, which must be append",
+        "write": "append (default) or upsert (one snapshot per batch: the batch's keys replaced or deleted)",
+        "keys": "upsert: the columns that identify a row, a JSON list or comma-separated",
+        "order_by": "upsert: a column ordering a key's events within a batch (largest wins; default: "
+                    "the batch's order, task partition then row position)",
+        "delete_column": "upsert: a boolean column; a winning event where it is true deletes the key "
+                         "(never written; IcebergSink(delete_when=...) computes it)",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
         "storage_options": "JSON object of fsspec options for the tasks' file writes (default: the job's)",
     }
@@ -127,8 +148,9 @@ class IcebergDataSource(TwoPhaseCommitSink):
         self.sink_id = self.opts.get("sink_id") or "iceberg"
         self.mode = self.opts.get("mode") or None
         if self.mode not in (None, "append"):
-            raise ConfigError(f"onceflow-iceberg: mode={self.mode!r} is not supported yet; use "
-                              "'append' (upsert and complete are not implemented)")
+            raise ConfigError(f"onceflow-iceberg: mode={self.mode!r} is not supported; use 'append' "
+                              "(complete is not implemented; for upserts give write='upsert' and keys)")
+        self.upsert = UpsertSpec.from_options(self.opts)
         self.storage_options = as_options(self.opts.get("storage_options") or None,
                                           "onceflow-iceberg: option storage_options")
         try:
@@ -173,12 +195,15 @@ class IcebergDataSource(TwoPhaseCommitSink):
         match the stream's."""
         if overwrite:
             raise ConfigError("onceflow-iceberg: the query's output mode is complete; the Iceberg "
-                              "sink supports append only so far (use outputMode('append'))")
+                              "sink supports append only so far (use outputMode('append'))"
+                              + ("; write='upsert' replaces rows by key in append mode" if self.upsert else ""))
+        if self.upsert is not None:
+            self.upsert.check(to_arrow_schema(schema))
         table = self._table()
         if table is None:  # created now, so that tasks know where to write before any commit
             self.write_schema = schema
             table = self._create()
-        want = {f.name: f.type for f in to_arrow_schema(schema)}
+        want = {f.name: f.type for f in self._table_schema(schema)}
         have = {f.name: f.type for f in table.schema().as_arrow()}
         if want.keys() != have.keys():
             raise ConfigError(
@@ -189,6 +214,12 @@ class IcebergDataSource(TwoPhaseCommitSink):
         if bad:
             raise ConfigError(f"onceflow-iceberg: column types differ from table {self.identifier}: "
                               f"{', '.join(bad)}; cast them in the transform or use a new table")
+
+    def _table_schema(self, schema: StructType):
+        """The Arrow schema of the table's columns: the stream's without an upsert's delete column."""
+        arrow = to_arrow_schema(schema)
+        column = self.upsert.delete_column if self.upsert else None
+        return arrow.remove(arrow.get_field_index(column)) if column in arrow.names else arrow
 
     # ---- tasks ----------------------------------------------------------------------
 
@@ -203,19 +234,30 @@ class IcebergDataSource(TwoPhaseCommitSink):
         name = file_name(task, self.epoch)
         full, rows, writer = f"{path}/{name}", 0, None
         fs.makedirs(path, exist_ok=True)
-        with fs.open(full, "wb") as f:
-            try:
-                for batch in batches:
-                    if batch.num_rows:
-                        batch = batch.cast(arrow_schema) if batch.schema != arrow_schema else batch
-                        if writer is None:
-                            writer = pq.ParquetWriter(f, arrow_schema, compression="zstd",
-                                                      use_dictionary=dictionary_columns(batch))
-                        writer.write_batch(batch, row_group_size=self.row_group_rows)
-                        rows += batch.num_rows
-            finally:
-                if writer is not None:
-                    writer.close()
+        if self.upsert is not None:
+            self.upsert.check(arrow_schema)
+            if self.upsert.delete_column and self.upsert.delete_column not in arrow_schema.names:
+                raise ConfigError(f"onceflow-iceberg: the stream has no delete column "
+                                  f"{self.upsert.delete_column!r}")
+        try:
+            with fs.open(full, "wb") as f:
+                try:
+                    for batch in batches:
+                        if batch.num_rows:
+                            batch = batch.cast(arrow_schema) if batch.schema != arrow_schema else batch
+                            if self.upsert is not None:
+                                check_keys(batch, self.upsert)
+                            if writer is None:
+                                writer = pq.ParquetWriter(f, arrow_schema, compression="zstd",
+                                                          use_dictionary=dictionary_columns(batch))
+                            writer.write_batch(batch, row_group_size=self.row_group_rows)
+                            rows += batch.num_rows
+                finally:
+                    if writer is not None:
+                        writer.close()
+        except ConfigError:  # rows this sink refuses (null upsert keys): leave no file behind
+            fs.rm(full)
+            raise
         if rows == 0:
             fs.rm(full)
             return None, 0
@@ -263,7 +305,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
         catalog = self._catalog()
         try:
             catalog.create_namespace_if_not_exists(self.identifier.rsplit(".", 1)[0])
-            return catalog.create_table(self.identifier, schema=to_arrow_schema(self.write_schema))
+            return catalog.create_table(self.identifier, schema=self._table_schema(self.write_schema))
         except TableAlreadyExistsError:  # created by another driver meanwhile
             return self._table()
         except Exception as e:  # noqa: BLE001 - say which table could not be created
@@ -302,7 +344,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
         """
         names = [h["path"] for h in decision.handles]
         what = f"decide batch {decision.batch_id}"
-        for _ in range(_MAX_CONFLICTS):
+        for attempt in range(_MAX_CONFLICTS):
             table = self._table()
             state = LineageState(None, -1) if table is None else self._state(table, decision.lineage)
             if state.epoch != decision.epoch:
@@ -312,22 +354,27 @@ class IcebergDataSource(TwoPhaseCommitSink):
                 if (stored.handles is not None and stored.epoch == decision.epoch
                         and stored.fingerprint == decision.fingerprint
                         and sorted(h["path"] for h in stored.handles) == sorted(names)):
-                    self._remember(decision)
+                    added = self._added(table, decision.lineage, decision.batch_id)
+                    self._remember(decision, names if added is None else added)
                     return  # our own earlier attempt landed
                 raise fenced(self.format_name, decision.lineage, decision.epoch, state.epoch,
                              f"{what} (already decided by another commit)")
             summary = decision_properties(self.sink_id, decision.lineage, decision.epoch,
                                           decision.batch_id, decision.fingerprint, names)
             try:
-                self._commit(table, decision.lineage, LineageState(decision.epoch, decision.batch_id),
-                             summary, names)
+                if self.upsert is None:
+                    self._commit(table, decision.lineage, LineageState(decision.epoch, decision.batch_id),
+                                 summary, names)
+                    added = names
+                else:
+                    added = self._commit_upsert(table, decision, summary, attempt)
             except (CommitFailedException, CommitStateUnknownException):
                 continue
             except Exception as e:  # noqa: BLE001 - a file gone, the catalog's database down...
                 # Whether or not it landed, the restarted driver's step 3 finds out.
                 raise SinkError(f"onceflow-iceberg: commit of batch {decision.batch_id} to "
                                 f"{self.identifier} failed: {e}") from e
-            self._remember(decision)
+            self._remember(decision, added)
             maybe_crash("after_catalog_commit", decision.batch_id, None, self.opts)
             return
         raise SinkError(f"onceflow-iceberg: {self.identifier} changed under every one of "
@@ -339,9 +386,60 @@ class IcebergDataSource(TwoPhaseCommitSink):
         file of an older epoch for such a batch is an orphan; see :meth:`commit`)."""
         return _DECIDED.setdefault((self.identifier, lineage, self.epoch), OrderedDict())
 
-    def _remember(self, decision: Decision) -> None:
+    def _commit_upsert(self, table, decision: Decision, summary: dict[str, str], attempt: int) -> list[str]:
+        """One conditional commit of an upsert batch on top of exactly ``table``'s metadata
+        (:mod:`.upsert`): one snapshot removing the data files that hold the batch's keys,
+        adding their rewrites and a file of the winning rows, with ``summary`` (plus the files
+        it adds) and the lineage's state property. Returns the names of the files it added.
+        CommitFailedException (nothing landed: the files written for it are deleted) when
+        anything was committed since ``table`` was loaded."""
+        from pyiceberg.io.pyarrow import parquet_file_to_data_file, schema_to_pyarrow
+
+        fs, path = self._data_dir(table)
+        change = BatchChange.of(read_staged(fs, path, [h["path"] for h in decision.handles]), self.upsert)
+        target, location = schema_to_pyarrow(table.schema()), table.location().rstrip("/")
+        removed, added = [], []
+
+        def write(part: int, rows) -> None:
+            name = file_name(TaskInfo(decision.lineage, decision.batch_id, part, attempt), decision.epoch)
+            added.append(name)
+            write_file(fs, f"{path}/{name}", rows, target)
+
+        try:
+            for part, (data_file, kept) in enumerate(rewrites(table, change), start=1):
+                removed.append(data_file)
+                if kept is not None:
+                    write(part, kept)
+            if change.upserts.num_rows:
+                write(0, change.upserts)
+            files = [parquet_file_to_data_file(table.io, table.metadata, f"{location}/data/{n}") for n in added]
+            tx = _CheckedTransaction(table)
+            tx.set_properties({state_key(self.sink_id, decision.lineage):
+                               LineageState(decision.epoch, decision.batch_id).as_property()})
+            producer = tx.update_snapshot(snapshot_properties=summary | {OUTPUTS: json.dumps(added)})
+            with producer.overwrite() if removed else producer.fast_append() as snapshot:
+                for data_file in removed:
+                    snapshot.delete_data_file(data_file)
+                for data_file in files:
+                    snapshot.append_data_file(data_file)
+            tx.commit_transaction()
+        except CommitFailedException:
+            for name in added:  # refused: no snapshot references them
+                if fs.exists(f"{path}/{name}"):
+                    fs.rm(f"{path}/{name}")
+            raise
+        return added
+
+    def _added(self, table, lineage: str, batch_id: int) -> list[str] | None:
+        """Names of the data files the decision of batch N added (None: its snapshot expired)."""
+        summary = decision_summary(table.metadata, self.sink_id, lineage, batch_id)
+        if summary is None:
+            return None
+        return json.loads(summary.get(OUTPUTS) or summary.get(FILES) or "[]")
+
+    def _remember(self, decision: Decision, added: list[str]) -> None:
         decided = self._decided_here(decision.lineage)
-        decided[decision.batch_id] = frozenset(h["path"] for h in decision.handles)
+        decided[decision.batch_id] = frozenset(added)
         while len(decided) > _DECIDED_KEPT:
             decided.popitem(last=False)
 
@@ -355,8 +453,17 @@ class IcebergDataSource(TwoPhaseCommitSink):
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
             return
-        keep = {h["path"] for h in decision.handles}
         mine, decided_here = self.epoch, self._decided_here(decision.lineage)
+        if self.upsert is None:
+            keep = {h["path"] for h in decision.handles}
+        elif decision.batch_id in decided_here:
+            keep = set(decided_here[decision.batch_id])
+        else:  # a replay: the files its snapshot added (staged files are never kept)
+            table = self._table()
+            added = None if table is None else self._added(table, decision.lineage, decision.batch_id)
+            if added is None:
+                return
+            keep = set(added)
 
         def losing(b: int, e: int, name: str) -> bool:
             if b == decision.batch_id:
@@ -387,8 +494,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
         keep = {h["path"] for h in in_flight if h}
         last_files: set[str] | None = set()
         if last >= 0:
-            stored = self._stored(table, lineage, last)
-            last_files = None if stored.handles is None else {h["path"] for h in stored.handles}
+            added = self._added(table, lineage, last)
+            last_files = None if added is None else set(added)
 
         orphan = orphan_rule(keep, mine, last, last_files)
 
@@ -398,6 +505,10 @@ class IcebergDataSource(TwoPhaseCommitSink):
         return {"orphans_removed": remove_units(fs, path, lineage, orphan)}
 
     def describe_guarantee(self) -> str:
+        if self.upsert is not None:
+            return (f"exactly-once (upsert on {', '.join(self.upsert.keys)}): one Iceberg snapshot per "
+                    "batch replaces or deletes its keys (last event per key wins) and carries (lineage, "
+                    "batch, epoch), committed conditionally; replays and lost replies apply nothing")
         return ("exactly-once (append): one Iceberg snapshot per batch carrying (lineage, batch, "
                 "epoch), committed conditionally; replays and lost replies find it and commit nothing")
 
