@@ -468,7 +468,7 @@ def test_a_job_upserts_and_deletes_through_spark(spark, tmp_path):
     catalog = f"sqlite:///{tmp_path}/catalog.db"
     bad = IcebergSink(catalog, "lake.j", write="upsert", keys=["k"], delete_when="nope = 1")
     with pytest.raises(ConfigError, match="delete_when='nope = 1'.*not a SQL predicate"):
-        bad.with_delete_flag(spark.range(1))
+        bad.prepare(spark.range(1))
     total = 3000
     sink = IcebergSink(catalog, "lake.j", write="upsert", keys=["k"], order_by="id", delete_when="id % 7 = 0")
     job = Job(name="iceberg-upsert", sink=sink,

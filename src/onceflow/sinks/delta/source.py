@@ -147,10 +147,9 @@ class DeltaDataSource(DeltaTableAccess):
         fs, path = self._fs()
         table = self._table()
         if table is None:
-            foreign = [
-                n for n in (fs.ls(path, detail=False) if fs.exists(path) else [])
-                if not parse_unit(n.rstrip("/").rsplit("/", 1)[-1])
-            ]
+            names = [n.rstrip("/").rsplit("/", 1)[-1] for n in (fs.ls(path, detail=False) if fs.exists(path) else [])]
+            # a _delta_log without a version yet: another writer is creating the table right now
+            foreign = [n for n in names if not parse_unit(n) and n != "_delta_log"]
             if foreign:
                 raise ConfigError(
                     f"onceflow-delta: {self.table_url} exists and is not a Delta table (no "
