@@ -4,7 +4,7 @@ between the job and its PostgreSQL.
 * ``net_partition``: every connection is reset and new ones are refused for ``--outage-s``
   (longer than the sink's commit deadline and the lease TTL), then the path heals.
 * ``lost_reply``: one or two commits (``COMMIT`` of a task's or the decide step's
-  transaction, ``COMMIT PREPARED``) reach PostgreSQL, which acts on them, and their answers
+  transaction, ``COMMIT PREPARED``, a task's ``PREPARE TRANSACTION``) reach PostgreSQL, which acts on them, and their answers
   are dropped with the connection: the job must find out what happened, never redo or undo it.
 
 Only the job goes through the proxy (its spec carries the proxied DSN); verify's own reader

@@ -9,7 +9,8 @@ Guarantees:
   byte sent before the cut is delivered after it.
 * :meth:`FaultProxy.lose_replies` (``postgres`` protocol only) lets chosen commits reach the
   server and drops the server's whole answer to them: the proxy forwards a ``COMMIT ...``
-  statement (simple query or Parse message; ``COMMIT PREPARED`` included), withholds
+  statement (simple query or Parse message; ``COMMIT PREPARED`` included) or a ``PREPARE
+  TRANSACTION`` (the server holds the prepared transaction, the task never learns it), withholds
   everything the server sends from then on, and resets both sides once the server's
   ReadyForQuery for it has arrived, i.e. after the server acted. The client only sees its
   connection die. Connections that negotiate TLS are passed through uninspected (the job's
@@ -25,7 +26,8 @@ import threading
 import time
 
 _SSL_REQUEST, _GSS_REQUEST, _CANCEL, _PROTO_3 = 80877103, 80877104, 80877102, 196608
-_COMMIT = re.compile(rb"^\s*(COMMIT|END)\b", re.IGNORECASE)
+#: statements whose answer a lost reply drops: a commit, a COMMIT PREPARED, a PREPARE TRANSACTION
+_COMMIT = re.compile(rb"^\s*(COMMIT|END|PREPARE\s+TRANSACTION)\b", re.IGNORECASE)
 
 
 def _reset(sock: socket.socket) -> None:
