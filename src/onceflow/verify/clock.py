@@ -107,7 +107,7 @@ class ClockSkew(Fault):
     def _standing_by(h: Harness, succ: subprocess.Popen) -> bool:
         """Wait until the successor's log says it stands by (it starts Spark first)."""
         deadline = time.monotonic() + h.options.recovery_timeout
-        path = getattr(succ, "log_path")
+        path = succ.log_path  # type: ignore[attr-defined]
         while time.monotonic() < deadline and succ.poll() is None:
             with open(path, errors="replace") as f:
                 if _STANDING.search(f.read()):
