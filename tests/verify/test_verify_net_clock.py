@@ -27,7 +27,8 @@ import pytest
 from onceflow.verify.clock import libfaketime
 from pg_cluster import PgCluster
 
-pytestmark = pytest.mark.slow
+# a cold Spark start took 150 s at load 20 on the 2-core test machine; the faults add two more
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _verify(tmp_path: Path, *args: str) -> tuple[int, dict, str]:

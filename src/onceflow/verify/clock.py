@@ -19,16 +19,38 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import re
 import signal
 import subprocess
 import time
 
 from onceflow.verify import procs
+from onceflow.errors import ConfigError
 from onceflow.verify.fault_base import Fault, FaultMissed, Harness, can_unshare
 
 #: libfaketime re-reads its offset file at most this often (seconds)
 CACHE_S = 1
+
+#: libfaketime 0.9.10 with FAKETIME_DONT_FAKE_MONOTONIC=1 fails every absolute
+#: ``clock_nanosleep`` on a monotonic clock with EINVAL, which is how Python 3.11's
+#: ``time.sleep`` sleeps. This shim, preloaded before it, sends monotonic sleeps straight to
+#: the kernel and every other one on to libfaketime.
+_SLEEP_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+int clock_nanosleep(clockid_t clk, int flags, const struct timespec *req, struct timespec *rem) {
+    if (clk == CLOCK_MONOTONIC || clk == CLOCK_MONOTONIC_RAW || clk == CLOCK_BOOTTIME)
+        return syscall(SYS_clock_nanosleep, clk, flags, req, rem) == 0 ? 0 : errno;
+    int (*next)(clockid_t, int, const struct timespec *, struct timespec *) =
+        (int (*)(clockid_t, int, const struct timespec *, struct timespec *))dlsym(RTLD_NEXT, "clock_nanosleep");
+    return next(clk, flags, req, rem);
+}
+"""
 
 
 def libfaketime() -> str | None:
@@ -41,11 +63,26 @@ def libfaketime() -> str | None:
     return None
 
 
+def sleep_shim(workdir: str) -> str:
+    """Build (once per work directory) the monotonic-sleep shim; returns its path."""
+    out = os.path.join(workdir, "monotonic-sleep.so")
+    if not os.path.exists(out):
+        src = out[:-3] + ".c"
+        with open(src, "w") as f:
+            f.write(_SLEEP_SHIM)
+        res = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", out, src, "-ldl"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise ConfigError(f"verify: clock_skew could not build its sleep shim: {res.stderr.strip()[-300:]}")
+    return out
+
+
 def faketime_env(offset_file: str) -> dict[str, str]:
-    """Environment that runs a process tree on ``offset_file``'s clock (``+300s``, ``-300s``)."""
+    """Environment that runs a process tree on ``offset_file``'s clock (``+300s``, ``-300s``);
+    the sleep shim (:func:`sleep_shim`) must have been built in the file's directory."""
     lib = libfaketime()
     assert lib is not None
-    preload = " ".join(p for p in (lib, os.environ.get("LD_PRELOAD", "")) if p)
+    shim = os.path.join(os.path.dirname(offset_file), "monotonic-sleep.so")
+    preload = " ".join(p for p in (shim, lib, os.environ.get("LD_PRELOAD", "")) if p)
     return {"LD_PRELOAD": preload, "FAKETIME_TIMESTAMP_FILE": offset_file,
             "FAKETIME_CACHE_DURATION": str(CACHE_S), "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
 
@@ -67,6 +104,8 @@ class ClockSkew(Fault):
     def unavailable(self, h: Harness) -> str | None:
         if libfaketime() is None:
             return "needs libfaketime (Debian/Ubuntu: apt-get install faketime) to skew a host's clock"
+        if shutil.which("cc") is None:
+            return "needs a C compiler (cc) to build a small sleep shim libfaketime 0.9.10 needs"
         if not can_unshare("--uts"):
             return "needs unshare(1) allowed to make a UTS namespace (root) for the successor's host name"
         return None
