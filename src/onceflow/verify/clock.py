@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
 import re
+import shutil
 import signal
 import subprocess
 import time
 
-from onceflow.verify import procs
 from onceflow.errors import ConfigError
+from onceflow.verify import procs
 from onceflow.verify.fault_base import Fault, FaultMissed, Harness, can_unshare
 
 #: libfaketime re-reads its offset file at most this often (seconds)
