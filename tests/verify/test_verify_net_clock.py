@@ -61,7 +61,7 @@ def test_postgres_survives_a_partition_and_lost_commit_replies(tmp_path, pg, mod
         "--outage-s", "12")
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once" and report["duplicates"] == report["missing"] == 0
-    assert not report["dangling"] and report["corrupted"] == 0
+    assert not report["dangling"] and report["corrupted_payloads"] == 0
     faults = {f["kind"]: f["detail"] for f in report["fault_log"]}
     assert sorted(faults) == ["lost_reply", "net_partition"], out[-3000:]
     # the proxy really cut: live connections reset, and the job's reconnects refused
