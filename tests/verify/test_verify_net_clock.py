@@ -10,7 +10,7 @@ PostgreSQL behind verify's TCP fault proxy, real libfaketime clocks.
 Each must end exactly-once, and its fault line must say what the fault really did (connections
 cut and refused, the answers PostgreSQL gave that the job never saw, batches committed while
 the clock was off and a successor that stood by). On a loaded 2-core machine a cold Spark start
-alone takes 90 s (seen at load 13): each run gets a 400 s recovery timeout.
+alone took 150-500 s (load 20-68): each run gets a 600 s recovery timeout.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ import pytest
 from onceflow.verify.clock import libfaketime
 from pg_cluster import PgCluster
 
-# a cold Spark start took 150 s at load 20 on the 2-core test machine; the faults add two more
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# a cold Spark start took 150-500 s at load 20-68 on the shared 2-core test machine (idle: ~20 s)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def _verify(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     out = tmp_path / "report.json"
     proc = subprocess.run(
         [sys.executable, "-m", "onceflow", "verify", "--dir", str(tmp_path / "run"), "--json", str(out),
-         "--gap", "1-2", "--recovery-timeout", "400", "--no-standby", *args],
-        capture_output=True, text=True, timeout=900, env=dict(os.environ),
+         "--gap", "1-2", "--recovery-timeout", "600", "--no-standby", *args],
+        capture_output=True, text=True, timeout=1700, env=dict(os.environ),
     )
     report = json.loads(out.read_text()) if out.exists() else {}
     return proc.returncode, report, proc.stdout + proc.stderr
@@ -79,7 +79,7 @@ def test_the_lease_needs_no_shared_clock(tmp_path, seed):
     """A successor host stands by (``--wait-for-lease``, another host name) while one of the two
     hosts' clocks is 300 s off; the job keeps committing, the successor never takes over."""
     rc, report, out = _verify(
-        tmp_path, "--faults", "clock_skew", "--count", "1", "--rate", "2000", "--events", "200000",
+        tmp_path, "--faults", "clock_skew", "--count", "1", "--rate", "1000", "--events", "200000",
         "--seed", str(seed), "--lease-ttl", "4", "--outage-s", "15")
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once" and report["duplicates"] == report["missing"] == 0
