@@ -1,9 +1,11 @@
 """The runner's idle and batch timers run on the monotonic clock: a wall clock that jumps by
 minutes (NTP step, VM resume, a skewed host) neither ends a job as "idle" nor times out a batch.
 
-Found by ``onceflow verify``'s clock_skew fault: ``stop_when_idle`` compared ``time.time()``
+Found while building ``onceflow verify``'s clock_skew fault, by reading the runner (no verify
+run has shown it yet): ``stop_when_idle`` and ``batch_timeout_s`` compared ``time.time()``
 readings, so a forward jump of 300 s during a moment without data made the job stop as if its
-source were exhausted (exit 0, the rest of the stream never read).
+source were exhausted (exit 0, the rest of the stream never read), and one during a batch
+timed the batch out.
 """
 
 from __future__ import annotations
