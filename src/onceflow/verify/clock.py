@@ -5,9 +5,10 @@ standby, JVM and Python worker below it) runs with libfaketime preloaded, readin
 from a file (``+0s`` normally) at most once a second; monotonic clocks stay real
 (``FAKETIME_DONT_FAKE_MONOTONIC=1``, which also keeps CLOCK_BOOTTIME real).
 
-Each injection starts a second ``onceflow run --wait-for-lease`` on another host name (a
-successor host, no standby of its own, its own offset file) and waits until it stands by for
-the lease. Then it jumps one clock by ``--skew-s`` forward or back (seeded): the job's host
+Each injection starts a second ``onceflow run --wait-for-lease`` as the init of its own PID
+namespace on another host name (a second pod: it cannot check the holder's pid, so it must
+judge the lease by its record alone; no standby of its own, its own offset file) and waits
+until it stands by for the lease. Then it jumps one clock by ``--skew-s`` forward or back (seeded): the job's host
 (the successor, on a real clock, judges a skewed holder) or the successor's (a skewed reader
 judges a real holder). It holds the skew for ``max(--outage-s, 3 x lease TTL + 2)`` seconds,
 resets it, and stops the successor. The lease needs no shared clock, so the fault requires:
@@ -106,8 +107,9 @@ class ClockSkew(Fault):
             return "needs libfaketime (Debian/Ubuntu: apt-get install faketime) to skew a host's clock"
         if shutil.which("cc") is None:
             return "needs a C compiler (cc) to build a small sleep shim libfaketime 0.9.10 needs"
-        if not can_unshare("--uts"):
-            return "needs unshare(1) allowed to make a UTS namespace (root) for the successor's host name"
+        if not can_unshare("--pid", "--fork", "--mount-proc", "--uts"):
+            return ("needs unshare(1) allowed to make PID and UTS namespaces (root) for the successor "
+                    "host (its own PID namespace and host name)")
         return None
 
     def inject(self, h: Harness) -> str:
@@ -116,7 +118,8 @@ class ClockSkew(Fault):
         on_job = h.rng.random() < 0.5
         own = os.path.join(h.spec.workdir, f"faketime-successor-{len(h.extras)}")
         set_offset(own, 0)
-        succ = h.start_supervisor(host=f"verify-skew-{len(h.extras)}", faketime=own, extra=True)
+        succ = h.start_supervisor(host=f"verify-skew-{len(h.extras)}", pid_namespace=True, faketime=own,
+                                  extra=True)
         try:
             if not self._standing_by(h, succ):
                 raise FaultMissed(f"the successor host (supervisor {succ.pid}) did not stand by for the lease")
@@ -128,7 +131,7 @@ class ClockSkew(Fault):
             set_offset(target, 0)
             time.sleep(CACHE_S + 0.5)  # every process re-read its offset: timestamps are real again
             during = [e for e in h.events()[seq:] if e["event"] == "sink_commit" and e["rows"]]
-            took = self._took_over(h, succ)
+            took = self._took_over(h, succ, seq)
         finally:
             self._stop(succ)
         h.settled_seq = len(h.events())
@@ -155,9 +158,10 @@ class ClockSkew(Fault):
         return False
 
     @staticmethod
-    def _took_over(h: Harness, succ: subprocess.Popen) -> bool:
-        mine = {p.pid for p in procs.tree(succ.pid)}
-        return any(e["event"] == "start" and e.get("pid") in mine for e in h.events())
+    def _took_over(h: Harness, succ: subprocess.Popen, seq: int) -> bool:
+        """A runner of the successor (pids as its PID namespace knows them) started since ``seq``."""
+        mine = set(procs.ns_pids(succ.pid))
+        return any(e["event"] == "start" and e.get("pid") in mine for e in h.events()[seq:])
 
     @staticmethod
     def _stop(succ: subprocess.Popen) -> None:
