@@ -32,15 +32,17 @@ from pg_cluster import OS_USER, PG_BIN, PgCluster  # noqa: E402
 
 OUTAGE_S = 13.0  # pg_down must outlast the verify job's 10 s commit deadline
 
-PROCESS = ["driver_kill", "jvm_kill", "worker_kill", "zombie", "slow_sink"]
+PROCESS = ["driver_kill", "jvm_kill", "worker_kill", "zombie", "slow_sink", "container_restart", "clock_skew"]
+PG_NET = ["net_partition", "lost_reply"]  # through verify's proxy in front of PostgreSQL
 RUNS = {  # name: (source, sink, extra faults, master)
     "delta": ("sequence", "delta", ["disk_full"], "local[2]"),
     "delta-cluster": ("sequence", "delta", ["executor_kill"], "local-cluster[2,1,1024]"),
     "delta-jvm": ("sequence", "delta-jvm", ["disk_full"], "local[2]"),
     "delta-jvm-cluster": ("sequence", "delta-jvm", ["executor_kill"], "local-cluster[2,1,1024]"),
-    "pg2pc": ("sequence", "postgres-two_phase", ["pg_restart", "pg_down"], "local[2]"),
-    "pgidem": ("sequence", "postgres-idempotent", ["pg_restart", "pg_down"], "local[2]"),
-    "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart", "broker_restart"], "local[2]"),
+    "pg2pc": ("sequence", "postgres-two_phase", ["pg_restart", "pg_down", *PG_NET], "local[2]"),
+    "pgidem": ("sequence", "postgres-idempotent", ["pg_restart", "pg_down", *PG_NET], "local[2]"),
+    "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart", "broker_restart", *PG_NET], "local[2]"),
+    "kafka-pgidem": ("kafka", "postgres-idempotent", ["pg_restart", "broker_restart", *PG_NET], "local[2]"),
     # new runs go last: a run's seed is --seed plus its index here
     "delta-upsert": ("sequence", "delta-upsert", ["zombie"], "local[2]"),
     "delta-upsert-cluster": ("sequence", "delta-upsert", ["executor_kill"], "local-cluster[2,1,1024]"),
@@ -91,7 +93,7 @@ def main() -> None:
                    "--pg-stop", f"{ctl} -m {{mode}} -w -t 60 stop",
                    "--pg-start", f"{ctl} -l {pg.logfile} -w -t 60 start",
                    "--broker-stop", broker_stop, "--broker-start", broker_start]
-            if "disk_full" in faults:
+            if "disk_full" in faults or "store_outage" in faults:
                 cmd += ["--checkpoint-fs", "96m"]
             print(f"== {name}: {source} -> {sink} on {master}; faults {', '.join(faults)}", flush=True)
             rc = subprocess.run(cmd).returncode

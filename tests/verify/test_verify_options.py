@@ -33,6 +33,10 @@ def test_a_seed_repeats_the_schedule(tmp_path):
      "needs --pg-stop and --pg-start"),
     (["--faults", "executor_kill"], "--master 'local-cluster[2,1,1024]'"),
     (["--faults", "disk_full"], "needs --checkpoint-fs SIZE"),
+    (["--faults", "lost_reply"], "fault lost_reply needs a PostgreSQL sink"),
+    (["--faults", "net_partition", "--sink", "kafka", "--kafka", "127.0.0.1:1"],
+     "fault net_partition needs a PostgreSQL sink"),
+    (["--skew-s", "0"], "'--skew-s': 0.0 is not in the range x>=1"),
     (["--gap", "5-2"], "need 0 <= MIN <= MAX"),
     (["--recovery-timeout", "5"], "'--recovery-timeout': 5.0 is not in the range x>=10"),
 ])

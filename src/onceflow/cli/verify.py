@@ -55,9 +55,12 @@ EXIT_INCONCLUSIVE = 3
 @click.option("--gap", default="2-6", show_default=True, callback=_gap, metavar="MIN-MAX",
               help="Seconds between the job committing again and the next fault.")
 @click.option("--outage-s", default=15.0, show_default=True, type=click.FloatRange(0),
-              help="How long pg_down, disk_full and slow_sink last.")
+              help="How long pg_down, disk_full, slow_sink, store_outage and net_partition last "
+              "(clock_skew: at least 3 lease TTLs).")
 @click.option("--slow-s", default=3.0, show_default=True, type=click.FloatRange(0),
               help="Extra seconds per commit during slow_sink.")
+@click.option("--skew-s", default=300.0, show_default=True, type=click.FloatRange(1),
+              help="How far clock_skew jumps a host's wall clock (forward or back, seeded).")
 @click.option("--pg-stop", metavar="CMD", help="Stops your PostgreSQL; '{mode}' becomes fast or immediate, "
               "e.g. 'pg_ctl -D /data -m {mode} -w stop'.")
 @click.option("--pg-start", metavar="CMD", help="Starts it again, e.g. 'pg_ctl -D /data -l log -w start'.")
@@ -81,7 +84,7 @@ EXIT_INCONCLUSIVE = 3
 @click.option("--json", "json_out", metavar="FILE", help="Write the report as JSON ('-' for stdout).")
 @click.option("--chart", "chart_out", metavar="FILE.png", help="Chart path (default: DIR/verify.png).")
 def verify(source, sink, faults, count, seed, events, rate, partitions, master, postgres, kafka, gap,
-           outage_s, slow_s, pg_stop, pg_start, broker_stop, broker_start, checkpoint_fs, lease_ttl,
+           outage_s, slow_s, skew_s, pg_stop, pg_start, broker_stop, broker_start, checkpoint_fs, lease_ttl,
            recovery_timeout, standby, wait_standby, workdir, json_out, chart_out) -> None:
     """Run a pipeline of checksummed event ids under faults; check the sink independently.
 
@@ -108,7 +111,7 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     spec = VerifySpec(workdir=workdir, name=uuid.uuid4().hex[:8], source=source, sink=sink, events=events,
                       rate=rate, partitions=partitions, master=master, postgres=postgres, kafka=kafka)
     options = Options(faults=kinds, count=count if kinds else 0, seed=seed, gap=gap, outage_s=outage_s,
-                      slow_s=slow_s, pg_stop=pg_stop, pg_start=pg_start, broker_stop=broker_stop,
+                      slow_s=slow_s, skew_s=skew_s, pg_stop=pg_stop, pg_start=pg_start, broker_stop=broker_stop,
                       broker_start=broker_start, checkpoint_fs=checkpoint_fs, lease_ttl_s=lease_ttl,
                       recovery_timeout=recovery_timeout,
                       standby=standby, wait_standby=wait_standby)

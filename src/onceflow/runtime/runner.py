@@ -377,7 +377,7 @@ class JobRunner:
                 self.events.append("recovered", recovery_s=round(time.time() - started, 3), batch=seen,
                                    phases={**getattr(self, "_phases", {}), **_first_batch_phases(query, seen)})
             status = query.status
-            now = time.time()
+            now = time.monotonic()  # idle and batch timers: a wall clock may jump by minutes
             active = bool(status.get("isTriggerActive"))
             active_since = (active_since or now) if active else None
             # Idle = no batch ran and the source reported no data since idle_since. A trigger

@@ -9,60 +9,19 @@ given options (no restart command for the database, no cluster executors, not ro
 from __future__ import annotations
 
 import os
-import random
 import shlex
-import shutil
 import signal
 import subprocess
 import time
-from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar
 
 from onceflow.errors import ConfigError
 from onceflow.verify import procs
+from onceflow.verify.clock import ClockSkew
+from onceflow.verify.fault_base import Fault, FaultMissed, Harness, can_unshare
+from onceflow.verify.netfaults import LostReply, NetPartition
 
-if TYPE_CHECKING:
-    from onceflow.checkpoint.eventlog import EventLog
-    from onceflow.verify.spec import Options, VerifySpec
-
-
-class Harness(Protocol):
-    """What a fault acts on: the running verify (:class:`onceflow.verify.harness.Harness`)."""
-
-    spec: VerifySpec
-    options: Options
-    rng: random.Random
-    log: EventLog
-    slow_file: str
-    supervisors: list[subprocess.Popen]
-    anomalies: list[str]
-    settled: float | None
-
-    @property
-    def supervisor(self) -> subprocess.Popen: ...
-
-    def start_supervisor(self, host: str | None = None, pid_namespace: bool = False) -> subprocess.Popen: ...
-
-    def wait_commit(self, after: float, proc: subprocess.Popen, timeout: float = 180.0) -> bool: ...
-
-
-class Fault(ABC):
-    name: ClassVar[str]
-    help: ClassVar[str]
-    #: the fault ends the active driver (its next commit comes from another process)
-    kills_driver: ClassVar[bool] = False
-
-    def unavailable(self, h: Harness) -> str | None:
-        """Why this fault cannot run in this setup, or None."""
-        return None
-
-    @abstractmethod
-    def inject(self, h: Harness) -> str:
-        """Inject the fault; return what it hit. Raises :class:`FaultMissed` when no target."""
-
-
-class FaultMissed(Exception):
-    """The fault found nothing to hit at this instant (e.g. no Python worker running)."""
+__all__ = ["FAULTS", "Fault", "FaultMissed", "Harness"]
 
 
 def _driver(h: Harness) -> int:
@@ -131,8 +90,7 @@ class Zombie(Fault):
     kills_driver = True
 
     def unavailable(self, h: Harness) -> str | None:
-        if shutil.which("unshare") is None or subprocess.run(
-                ["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        if not can_unshare("--uts"):
             return "needs unshare(1) allowed to make a UTS namespace (root) for the successor's host name"
         return None
 
@@ -255,11 +213,6 @@ class SlowSink(Fault):
         return f"commits +{h.options.slow_s:.1f}s for {h.options.outage_s:.0f}s"
 
 
-def _can_unshare(*flags: str) -> bool:
-    return shutil.which("unshare") is not None and subprocess.run(
-        ["unshare", *flags, "true"], capture_output=True).returncode == 0
-
-
 class ContainerRestart(Fault):
     """The job's whole process tree (supervisor, drivers, standby, JVMs, workers) is SIGKILLed
     at once, as a container's is, and ``onceflow run`` starts again as the init of a fresh PID
@@ -271,7 +224,7 @@ class ContainerRestart(Fault):
     kills_driver = True
 
     def unavailable(self, h: Harness) -> str | None:
-        if not _can_unshare("--pid", "--fork", "--mount-proc"):
+        if not can_unshare("--pid", "--fork", "--mount-proc"):
             return "needs unshare(1) allowed to make a PID namespace (root)"
         return None
 
@@ -309,5 +262,6 @@ class StoreOutage(Fault):
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     DriverKill(), JvmKill(), Zombie(), ExecutorKill(), WorkerKill(), PgRestart(), PgDown(),
-    BrokerRestart(), DiskFull(), SlowSink(), ContainerRestart(), StoreOutage(),
+    BrokerRestart(), DiskFull(), SlowSink(), ContainerRestart(), StoreOutage(), ClockSkew(),
+    NetPartition(), LostReply(),
 )}

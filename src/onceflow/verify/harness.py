@@ -28,7 +28,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import ConfigError, OnceflowError
-from onceflow.verify import procs, setup
+from onceflow.verify import netfaults, procs, setup
+from onceflow.verify.clock import faketime_env, set_offset, sleep_shim
 from onceflow.verify.exactly_once import Report, check_events, check_upserts
 from onceflow.verify.faults import FAULTS, FaultMissed
 from onceflow.verify.readers import dangling, delta_decided, iceberg_decided, read_output
@@ -48,9 +49,12 @@ class FaultRecord:
     #: after the kill (the commit runner is not in the driver's process group): not a recovery
     stale_driver: int | None = None
     recovered: float | None = None
+    #: only commits logged at or after this position of the event log count (a clock skew:
+    #: commits logged during it carry skewed timestamps)
+    seq: int = 0
 
     def recovered_by(self, commit: dict) -> bool:
-        return commit["ts"] > max(self.settled, self.start) and (
+        return commit["ts"] > max(self.settled, self.start) and commit.get("_seq", 0) >= self.seq and (
             self.stale_driver is None or commit.get("driver") != self.stale_driver)
 
     @property
@@ -107,10 +111,15 @@ class Harness:
         self.console = console or Console(stderr=True)
         self.slow_file = os.path.join(spec.workdir, "slow-commit")
         self.supervisors: list[subprocess.Popen] = []
+        self.extras: list[subprocess.Popen] = []
         self.anomalies: list[str] = []
         self.shortfall = ""
         #: set by a fault whose recovery starts before it ends (see FaultRecord.settled)
         self.settled: float | None = None
+        self.settled_seq: int | None = None
+        self.proxies: dict = {}
+        self.faketime_file = (os.path.join(spec.workdir, "faketime-job")
+                              if "clock_skew" in options.faults else None)
         self._events: list[dict] = []
         self._offset = 0
         for name in dict.fromkeys(options.faults):
@@ -124,13 +133,16 @@ class Harness:
 
     # ---- processes ---------------------------------------------------------------------------
 
-    def start_supervisor(self, host: str | None = None, pid_namespace: bool = False) -> subprocess.Popen:
+    def start_supervisor(self, host: str | None = None, pid_namespace: bool = False,
+                         faketime: str | None = None, extra: bool = False) -> subprocess.Popen:
         """``onceflow run`` of the verify job; on another UTS host name when ``host`` is set,
-        as the init of a new PID namespace with ``pid_namespace``."""
+        as the init of a new PID namespace with ``pid_namespace``, on ``faketime``'s clock (else
+        the job's offset file when clock_skew runs). ``extra``: a process beside the job (no
+        standby of its own, in :attr:`extras`, not the current supervisor)."""
         job_file = importlib.util.find_spec("onceflow.verify.job").origin  # not imported here
         cmd = [sys.executable, "-m", "onceflow", "run", job_file, "--no-savepoint-on-stop",
                "--wait-for-lease", str(self.options.recovery_timeout)]
-        cmd.append("--standby" if self.options.standby else "--no-standby")
+        cmd.append("--standby" if self.options.standby and not extra else "--no-standby")
         if host:
             cmd = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *cmd]
         if pid_namespace:
@@ -138,10 +150,16 @@ class Harness:
         env = {**os.environ, "ONCEFLOW_VERIFY_SPEC": os.path.join(self.spec.workdir, "spec.json"),
                "ONCEFLOW_TASK_EVENTS": "1", "ONCEFLOW_LEASE_TTL_S": str(self.options.lease_ttl_s),
                "ONCEFLOW_SLOW_COMMIT_FILE": self.slow_file}
-        out = open(os.path.join(self.spec.workdir, f"supervisor-{len(self.supervisors)}.log"), "w")
+        clock = faketime or self.faketime_file
+        if clock:
+            env.update(faketime_env(clock))
+        name = f"successor-{len(self.extras)}" if extra else f"supervisor-{len(self.supervisors)}"
+        log_path = os.path.join(self.spec.workdir, f"{name}.log")
+        out = open(log_path, "w")
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         out.close()
-        self.supervisors.append(proc)
+        proc.log_path = log_path  # type: ignore[attr-defined]
+        (self.extras if extra else self.supervisors).append(proc)
         return proc
 
     def events(self) -> list[dict]:
@@ -156,9 +174,11 @@ class Harness:
         self._offset += len(complete)
         for line in complete.splitlines():
             try:
-                self._events.append(json.loads(line))
+                event = json.loads(line)
             except ValueError:
                 continue  # a line torn by a crash
+            event["_seq"] = len(self._events)  # its position: timestamps of a skewed clock lie
+            self._events.append(event)
         return self._events
 
     def _commits(self, after: float = 0.0) -> list[dict]:
@@ -193,7 +213,11 @@ class Harness:
                            f"{self.spec.events:,} events {self.spec.source} -> {self.spec.sink}; faults: "
                            + (", ".join(k for k, _ in plan) or "none"))
         started = time.time()
-        with setup.environment(self.spec, self.options, self.console):
+        with setup.environment(self.spec, self.options, self.console), \
+                netfaults.proxies(self.spec, self.options) as self.proxies:
+            if self.faketime_file:
+                sleep_shim(self.spec.workdir)
+                set_offset(self.faketime_file, 0)
             self.log = EventLog(self.spec.checkpoint)
             self.start_supervisor()
             try:
@@ -236,7 +260,7 @@ class Harness:
                     time.sleep(0.2)
                 if self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None:
                     break  # the stream is (nearly) done: a fault now would test nothing
-                start, self.settled = time.time(), None
+                start, self.settled, self.settled_seq = time.time(), None, None
                 victim = procs.active_driver(self.log, self.supervisor.pid) if FAULTS[kind].kills_driver else None
                 try:
                     detail = FAULTS[kind].inject(self)
@@ -253,7 +277,7 @@ class Harness:
                     self.anomalies.append(f"fault {kind} could not be injected: {e}")
                     continue
                 end = time.time()
-                last = FaultRecord(kind, start, end, detail, self.settled or end, victim)
+                last = FaultRecord(kind, start, end, detail, self.settled or end, victim, seq=self.settled_seq or 0)
                 records.append(last)
                 progress.console.print(f"[yellow]fault {len(records)}: {kind}: {detail}[/yellow]")
             if len(records) < len(plan):
@@ -307,9 +331,9 @@ class Harness:
             with open(log, errors="replace") as f:
                 tail = [line.rstrip() for line in f.readlines()[-3:]]
             self.anomalies.append(f"the job exited with {rc}; last lines of {log}: " + " | ".join(tail))
-        left = [p for sup in self.supervisors for p in procs.tree(sup.pid)]
+        left = [p for sup in self.supervisors + self.extras for p in procs.tree(sup.pid)]
         procs.signal_all(left, signal.SIGCONT)  # a frozen zombie host must be able to stop
-        for sup in self.supervisors:
+        for sup in self.supervisors + self.extras:
             if sup.poll() is None:
                 sup.terminate()  # stops its drivers and standby
                 try:

@@ -66,7 +66,7 @@ def sink(spec: VerifySpec) -> Sink:
                            order_by="id", delete_when=UPSERT_DELETE_SQL)
     if spec.sink.startswith("postgres"):
         mode = spec.sink.split("-", 1)[1]
-        return PostgresSink(spec.postgres, spec.table, mode=mode, create_table=True, sink_id=spec.sink_id,
+        return PostgresSink(spec.postgres_job or spec.postgres, spec.table, mode=mode, create_table=True, sink_id=spec.sink_id,
                             commit_deadline=10.0)
     mode = "at_least_once" if spec.sink.endswith("at_least_once") else "exactly_once"
     return KafkaSink(spec.kafka, topic=spec.table, mode=mode, sink_id=spec.sink_id)

@@ -62,6 +62,8 @@ class VerifySpec:
     partitions: int = 2
     master: str = "local[2]"
     postgres: str | None = None
+    #: the DSN the job uses when verify's fault proxy stands between it and PostgreSQL
+    postgres_job: str | None = None
     kafka: str | None = None
     checkpoint_dir: str | None = None
     spark_conf: dict[str, str] = field(default_factory=dict)
@@ -135,6 +137,7 @@ class Options:
     gap: tuple[float, float] = (2.0, 6.0)
     outage_s: float = 25.0
     slow_s: float = 3.0
+    skew_s: float = 300.0
     pg_stop: str | None = None
     pg_start: str | None = None
     broker_stop: str | None = None

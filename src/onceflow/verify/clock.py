@@ -1,0 +1,174 @@
+"""``clock_skew``: a host's wall clock jumps by minutes while the job runs (libfaketime).
+
+When clock_skew is among the faults, every supervisor verify starts (and so every driver,
+standby, JVM and Python worker below it) runs with libfaketime preloaded, reading its offset
+from a file (``+0s`` normally) at most once a second; monotonic clocks stay real
+(``FAKETIME_DONT_FAKE_MONOTONIC=1``, which also keeps CLOCK_BOOTTIME real).
+
+Each injection starts a second ``onceflow run --wait-for-lease`` as the init of its own PID
+namespace on another host name (a second pod: it cannot check the holder's pid, so it must
+judge the lease by its record alone; no standby of its own, its own offset file) and waits
+until it stands by for the lease. Then it jumps one clock by ``--skew-s`` forward or back (seeded): the job's host
+(the successor, on a real clock, judges a skewed holder) or the successor's (a skewed reader
+judges a real holder). It holds the skew for ``max(--outage-s, 3 x lease TTL + 2)`` seconds,
+resets it, and stops the successor. The lease needs no shared clock, so the fault requires:
+the job keeps committing meanwhile, and the successor never takes the lease (either one is an
+anomaly).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+from onceflow.errors import ConfigError
+from onceflow.verify import procs
+from onceflow.verify.fault_base import Fault, FaultMissed, Harness, can_unshare
+
+#: libfaketime re-reads its offset file at most this often (seconds)
+CACHE_S = 1
+
+#: libfaketime 0.9.10 with FAKETIME_DONT_FAKE_MONOTONIC=1 fails every absolute
+#: ``clock_nanosleep`` on a monotonic clock with EINVAL, which is how Python 3.11's
+#: ``time.sleep`` sleeps. This shim, preloaded before it, sends monotonic sleeps straight to
+#: the kernel and every other one on to libfaketime.
+_SLEEP_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+int clock_nanosleep(clockid_t clk, int flags, const struct timespec *req, struct timespec *rem) {
+    if (clk == CLOCK_MONOTONIC || clk == CLOCK_MONOTONIC_RAW || clk == CLOCK_BOOTTIME)
+        return syscall(SYS_clock_nanosleep, clk, flags, req, rem) == 0 ? 0 : errno;
+    int (*next)(clockid_t, int, const struct timespec *, struct timespec *) =
+        (int (*)(clockid_t, int, const struct timespec *, struct timespec *))dlsym(RTLD_NEXT, "clock_nanosleep");
+    return next(clk, flags, req, rem);
+}
+"""
+
+
+def libfaketime() -> str | None:
+    """Path of libfaketime's preload library, or None."""
+    for pattern in ("/usr/lib/*/faketime/libfaketime.so.1", "/usr/lib/faketime/libfaketime.so.1",
+                    "/usr/local/lib/faketime/libfaketime.so.1", "/usr/lib64/faketime/libfaketime.so.1"):
+        found = sorted(glob.glob(pattern))
+        if found:
+            return found[0]
+    return None
+
+
+def sleep_shim(workdir: str) -> str:
+    """Build (once per work directory) the monotonic-sleep shim; returns its path."""
+    out = os.path.join(workdir, "monotonic-sleep.so")
+    if not os.path.exists(out):
+        src = out[:-3] + ".c"
+        with open(src, "w") as f:
+            f.write(_SLEEP_SHIM)
+        res = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", out, src, "-ldl"], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise ConfigError(f"verify: clock_skew could not build its sleep shim: {res.stderr.strip()[-300:]}")
+    return out
+
+
+def faketime_env(offset_file: str) -> dict[str, str]:
+    """Environment that runs a process tree on ``offset_file``'s clock (``+300s``, ``-300s``);
+    the sleep shim (:func:`sleep_shim`) must have been built in the file's directory."""
+    lib = libfaketime()
+    assert lib is not None
+    shim = os.path.join(os.path.dirname(offset_file), "monotonic-sleep.so")
+    preload = " ".join(p for p in (shim, lib, os.environ.get("LD_PRELOAD", "")) if p)
+    return {"LD_PRELOAD": preload, "FAKETIME_TIMESTAMP_FILE": offset_file,
+            "FAKETIME_CACHE_DURATION": str(CACHE_S), "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+def set_offset(path: str, seconds: float) -> None:
+    """Make ``path``'s clock ``seconds`` off (atomically: a reader never sees half a line)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{seconds:+.0f}s\n")
+    os.replace(path + ".tmp", path)
+
+
+_STANDING = re.compile(r"standing by: pid|which this host cannot check")
+
+
+class ClockSkew(Fault):
+    name, help = "clock_skew", ("jump the job host's or a standing-by successor host's wall clock "
+                                "by --skew-s (forward or back), hold, reset (libfaketime)")
+
+    def unavailable(self, h: Harness) -> str | None:
+        if libfaketime() is None:
+            return "needs libfaketime (Debian/Ubuntu: apt-get install faketime) to skew a host's clock"
+        if shutil.which("cc") is None:
+            return "needs a C compiler (cc) to build a small sleep shim libfaketime 0.9.10 needs"
+        if not can_unshare("--pid", "--fork", "--mount-proc", "--uts"):
+            return ("needs unshare(1) allowed to make PID and UTS namespaces (root) for the successor "
+                    "host (its own PID namespace and host name)")
+        return None
+
+    def inject(self, h: Harness) -> str:
+        assert h.faketime_file is not None
+        skew = h.rng.choice([-1, 1]) * h.options.skew_s
+        on_job = h.rng.random() < 0.5
+        own = os.path.join(h.spec.workdir, f"faketime-successor-{len(h.extras)}")
+        set_offset(own, 0)
+        succ = h.start_supervisor(host=f"verify-skew-{len(h.extras)}", pid_namespace=True, faketime=own,
+                                  extra=True)
+        try:
+            if not self._standing_by(h, succ):
+                raise FaultMissed(f"the successor host (supervisor {succ.pid}) did not stand by for the lease")
+            seq = len(h.events())
+            target = h.faketime_file if on_job else own
+            set_offset(target, skew)
+            hold = max(h.options.outage_s, 3 * h.options.lease_ttl_s + 2)
+            time.sleep(hold)
+            set_offset(target, 0)
+            time.sleep(CACHE_S + 0.5)  # every process re-read its offset: timestamps are real again
+            during = [e for e in h.events()[seq:] if e["event"] == "sink_commit" and e["rows"]]
+            took = self._took_over(h, succ, seq)
+        finally:
+            self._stop(succ)
+        h.settled_seq = len(h.events())
+        where = "job host" if on_job else "successor host"
+        if took:
+            h.anomalies.append(f"clock_skew: the standing-by successor took the lease from a live driver "
+                               f"while the {where}'s clock was {skew:+.0f}s off")
+        if not during:
+            h.anomalies.append(f"clock_skew: no batch committed during {hold:.0f}s with the {where}'s "
+                               f"clock {skew:+.0f}s off")
+        return (f"{where} clock {skew:+.0f}s for {hold:.0f}s: {len(during)} batch(es) committed meanwhile; "
+                f"the successor {'TOOK the lease' if took else 'stood by'}")
+
+    @staticmethod
+    def _standing_by(h: Harness, succ: subprocess.Popen) -> bool:
+        """Wait until the successor's log says it stands by (it starts Spark first)."""
+        deadline = time.monotonic() + h.options.recovery_timeout
+        path = succ.log_path  # type: ignore[attr-defined]
+        while time.monotonic() < deadline and succ.poll() is None:
+            with open(path, errors="replace") as f:
+                if _STANDING.search(f.read()):
+                    return True
+            time.sleep(0.5)
+        return False
+
+    @staticmethod
+    def _took_over(h: Harness, succ: subprocess.Popen, seq: int) -> bool:
+        """A runner of the successor (pids as its PID namespace knows them) started since ``seq``."""
+        mine = set(procs.ns_pids(succ.pid))
+        return any(e["event"] == "start" and e.get("pid") in mine for e in h.events()[seq:])
+
+    @staticmethod
+    def _stop(succ: subprocess.Popen) -> None:
+        left = procs.tree(succ.pid)
+        succ.terminate()
+        try:
+            succ.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+        procs.signal_all(left, signal.SIGKILL)
