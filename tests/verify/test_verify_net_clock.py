@@ -74,6 +74,10 @@ def test_postgres_survives_a_partition_and_lost_commit_replies(tmp_path, pg, mod
 
 
 @pytest.mark.skipif(libfaketime() is None, reason="libfaketime is not installed (apt-get install faketime)")
+@pytest.mark.skipif(os.environ.get("ONCEFLOW_E2E_CLOCK_SKEW") != "1", reason=(
+    "opt-in (ONCEFLOW_E2E_CLOCK_SKEW=1): its two drivers' JVMs under libfaketime drove the 2-core "
+    "machine to load 45-75 in the suite's run of 2026-11-27 and starved the Spark Connect tests "
+    "beside it; the fault itself is covered by test_wall_clock_jumps.py and verify --faults clock_skew"))
 @pytest.mark.parametrize("seed", [3, 4])
 def test_the_lease_needs_no_shared_clock(tmp_path, seed):
     """A successor host stands by (``--wait-for-lease``, its own PID namespace and host name) while one of the two
