@@ -28,6 +28,7 @@ in those steps; the Spark plumbing, fingerprint check and crash points live here
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -426,6 +427,22 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             )
         except OSError as e:  # the event log is for humans; never fail a commit over it
             log.warning("could not append to the event log: %s", e)
+
+
+def parse_columns(text: str | None, sink: str, option: str = "keys") -> tuple[str, ...]:
+    """Column names from an option: a JSON list or comma-separated; ConfigError in one line."""
+    if not text:
+        return ()
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{sink}: {option}={text!r} is not a JSON list of column names") from None
+        if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
+            raise ConfigError(f"{sink}: {option}={text!r}; give a list of column names")
+        return tuple(value)
+    return tuple(c.strip() for c in text.split(",") if c.strip())
 
 
 #: the boolean column an upsert's ``delete_when`` is computed into by Spark (never written)

@@ -254,8 +254,9 @@ class DeltaDataSource(DeltaTableAccess):
             except (ConfigError, TableNotFoundError):
                 raise
             except Exception as e:  # noqa: BLE001 - delta-rs raises several types
-                if table is None and "exist" in str(e).lower():
-                    continue  # created by someone else meanwhile
+                if table is None and any(m in str(e).lower() for m in ("exist", "not allowed for create")):
+                    time.sleep(0.05)
+                    continue  # being created by someone else meanwhile: read it again
                 raise SinkError(f"onceflow-delta: cannot open {self.table_url} for lineage {lineage}: {e}") from e
         raise SinkError(f"onceflow-delta: {self.table_url} changed under every one of {_MAX_CONFLICTS} "
                         "attempts to take an epoch; retried by the restart strategy")

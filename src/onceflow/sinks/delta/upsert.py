@@ -19,7 +19,6 @@ Staged files are deleted once their batch is decided (:func:`staged_rule`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,23 +29,9 @@ import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable
 
 from onceflow.errors import ConfigError
+from onceflow.sinks.base import parse_columns
 
 _TASK, _POS, _RANK = "__onceflow_task", "__onceflow_pos", "__onceflow_rank"
-
-
-def _columns(text: str | None) -> tuple[str, ...]:
-    if not text:
-        return ()
-    text = text.strip()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            raise ConfigError(f"onceflow-delta: keys={text!r} is not a JSON list of column names") from None
-        if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
-            raise ConfigError(f"onceflow-delta: keys={text!r}; give a list of column names")
-        return tuple(value)
-    return tuple(c.strip() for c in text.split(",") if c.strip())
 
 
 @dataclass(frozen=True)
@@ -64,7 +49,7 @@ class UpsertSpec:
         write = opts.get("write") or "append"
         if write not in ("append", "upsert"):
             raise ConfigError(f"onceflow-delta: write={write!r}; use 'append' or 'upsert'")
-        keys = _columns(opts.get("keys"))
+        keys = parse_columns(opts.get("keys"), "onceflow-delta")
         if write == "append":
             stray = [k for k in ("keys", "order_by", "delete_column") if opts.get(k)]
             if stray:

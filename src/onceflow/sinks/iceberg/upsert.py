@@ -23,7 +23,6 @@ neither matched nor replaced.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,27 +33,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import DELETE_COLUMN
+from onceflow.sinks.base import DELETE_COLUMN, parse_columns
 
 #: snapshot summary entry of an upsert decision: the data files it added (JSON list of names)
 OUTPUTS = "onceflow.outputs"
 _IN_LIMIT = 200  # distinct keys up to which the file pruning filter lists them (pyiceberg's limit)
 _FMT = "onceflow-iceberg"
-
-
-def _columns(text: str | None) -> tuple[str, ...]:
-    if not text:
-        return ()
-    text = text.strip()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            raise ConfigError(f"{_FMT}: keys={text!r} is not a JSON list of column names") from None
-        if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
-            raise ConfigError(f"{_FMT}: keys={text!r}; give a list of column names")
-        return tuple(value)
-    return tuple(c.strip() for c in text.split(",") if c.strip())
 
 
 @dataclass(frozen=True)
@@ -72,7 +56,7 @@ class UpsertSpec:
         write = opts.get("write") or "append"
         if write not in ("append", "upsert"):
             raise ConfigError(f"{_FMT}: write={write!r}; use 'append' or 'upsert'")
-        keys = _columns(opts.get("keys"))
+        keys = parse_columns(opts.get("keys"), _FMT)
         if write == "append":
             stray = [k for k in ("keys", "order_by", "delete_column") if opts.get(k)]
             if stray:
