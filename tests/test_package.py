@@ -86,3 +86,15 @@ def test_one_version_source_and_the_package_files():
                          text=True, timeout=120)
     assert out.stdout.strip().endswith(onceflow.__version__), out.stdout + out.stderr
     assert textwrap.dedent(f"## [{onceflow.__version__}]") in (root / "CHANGELOG.md").read_text()
+
+
+def test_test_module_names_are_unique():
+    """pytest's default import mode (rootdir-relative, no ``__init__.py``) refuses two test modules
+    with one basename ("import file mismatch") depending on collection order, which failed a CI run
+    that passed locally: every test module's file name is unique across ``tests/``."""
+    import collections
+    import pathlib
+
+    tests = pathlib.Path(__file__).resolve().parent
+    names = collections.Counter(p.name for p in tests.rglob("test_*.py"))
+    assert [n for n, c in names.items() if c > 1] == []
