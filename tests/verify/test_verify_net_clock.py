@@ -33,13 +33,18 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 def _verify(tmp_path: Path, *args: str) -> tuple[int, dict, str]:
     out = tmp_path / "report.json"
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "onceflow", "verify", "--dir", str(tmp_path / "run"), "--json", str(out),
          "--gap", "1-2", "--recovery-timeout", "600", "--no-standby", *args],
-        capture_output=True, text=True, timeout=1700, env=dict(os.environ),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ),
     )
+    try:
+        output, _ = proc.communicate(timeout=1700)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # verify stops every process it started (SIGKILL would orphan them)
+        output, _ = proc.communicate(timeout=120)
     report = json.loads(out.read_text()) if out.exists() else {}
-    return proc.returncode, report, proc.stdout + proc.stderr
+    return proc.returncode, report, output
 
 
 @pytest.fixture
@@ -74,23 +79,22 @@ def test_postgres_survives_a_partition_and_lost_commit_replies(tmp_path, pg, mod
 
 
 @pytest.mark.skipif(libfaketime() is None, reason="libfaketime is not installed (apt-get install faketime)")
-@pytest.mark.skipif(os.environ.get("ONCEFLOW_E2E_CLOCK_SKEW") != "1", reason=(
-    "opt-in (ONCEFLOW_E2E_CLOCK_SKEW=1): its two drivers' JVMs under libfaketime drove the 2-core "
-    "machine to load 45-75 in the suite's run of 2026-11-27 and starved the Spark Connect tests "
-    "beside it; the fault itself is covered by test_wall_clock_jumps.py and verify --faults clock_skew"))
-@pytest.mark.parametrize("seed", [3, 4])
-def test_the_lease_needs_no_shared_clock(tmp_path, seed):
+def test_the_lease_needs_no_shared_clock(tmp_path):
     """A successor host stands by (``--wait-for-lease``, its own PID namespace and host name) while one of the two
-    hosts' clocks is 300 s off; the job keeps committing, the successor never takes over."""
+    hosts' clocks is 300 s off (seed 1: the job host's back, then the successor's forward); the job keeps
+    committing, the successor never takes over, and no JVM spins under libfaketime."""
     rc, report, out = _verify(
-        tmp_path, "--faults", "clock_skew", "--count", "1", "--rate", "1000", "--events", "200000",
-        "--seed", str(seed), "--lease-ttl", "4", "--outage-s", "15")
+        tmp_path, "--faults", "clock_skew", "--count", "2", "--rate", "1000", "--events", "300000",
+        "--seed", "1", "--lease-ttl", "4", "--outage-s", "15")
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once" and report["duplicates"] == report["missing"] == 0
-    (fault,) = report["fault_log"]
-    m = re.search(r"(job|successor) host clock ([+-]300)s for \d+s: (\d+) batch\(es\) committed meanwhile; "
-                  r"the successor stood by", fault["detail"])
-    assert m and int(m[3]) > 0, fault
+    details = [f["detail"] for f in report["fault_log"]]
+    assert len(details) == 2, details
+    pattern = (r"(job|successor) host clock ([+-]300)s for \d+s: (\d+) batch\(es\) committed meanwhile; "
+               r"the successor stood by")
+    found = [re.search(pattern, d) for d in details]
+    assert all(m and int(m[3]) > 0 for m in found), details
+    assert sorted((m[1], m[2]) for m in found) == [("job", "-300"), ("successor", "+300")], details
     # the successor (its own PID namespace: it cannot check the holder's pid) watched the
     # lease record, judged on its own monotonic clock, and never started a runner
     succ = (tmp_path / "run" / "successor-0.log").read_text(errors="replace")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -115,6 +116,9 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
                       broker_start=broker_start, checkpoint_fs=checkpoint_fs, lease_ttl_s=lease_ttl,
                       recovery_timeout=recovery_timeout,
                       standby=standby, wait_standby=wait_standby)
+    # SIGTERM (a CI timeout, kill) ends the run through its clean-up: every process it started
+    # is stopped, none is left running (or spinning) after verify is gone
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     result = Harness(spec, options, console).run()
     report.print_report(result, console)
     chart_path = chart_out or os.path.join(workdir, "verify.png")

@@ -3,7 +3,10 @@
 When clock_skew is among the faults, every supervisor verify starts (and so every driver,
 standby, JVM and Python worker below it) runs with libfaketime preloaded, reading its offset
 from a file (``+0s`` normally) at most once a second; monotonic clocks stay real
-(``FAKETIME_DONT_FAKE_MONOTONIC=1``, which also keeps CLOCK_BOOTTIME real).
+(``FAKETIME_DONT_FAKE_MONOTONIC=1``, which also keeps CLOCK_BOOTTIME real). Its
+``pthread_cond_timedwait`` "monotonic fix" is off (``FAKETIME_FORCE_MONOTONIC_FIX=0``): with it,
+every timed wait of a JVM on a monotonic condition returned at once, and the driver's JVM spun
+at 150% CPU for as long as it lived.
 
 Each injection starts a second ``onceflow run --wait-for-lease`` as the init of its own PID
 namespace on another host name (a second pod: it cannot check the holder's pid, so it must
@@ -85,7 +88,8 @@ def faketime_env(offset_file: str) -> dict[str, str]:
     shim = os.path.join(os.path.dirname(offset_file), "monotonic-sleep.so")
     preload = " ".join(p for p in (shim, lib, os.environ.get("LD_PRELOAD", "")) if p)
     return {"LD_PRELOAD": preload, "FAKETIME_TIMESTAMP_FILE": offset_file,
-            "FAKETIME_CACHE_DURATION": str(CACHE_S), "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+            "FAKETIME_CACHE_DURATION": str(CACHE_S), "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+            "FAKETIME_FORCE_MONOTONIC_FIX": "0"}
 
 
 def set_offset(path: str, seconds: float) -> None:

@@ -341,6 +341,10 @@ class Harness:
                 except subprocess.TimeoutExpired:
                     pass
         procs.signal_all(left, signal.SIGKILL)  # whatever outlived its supervisor
+        # ... and whatever left its tree before (a JVM whose driver was killed, a dead pod's tree)
+        orphans = procs.with_env("ONCEFLOW_VERIFY_SPEC", os.path.join(self.spec.workdir, "spec.json"))
+        procs.signal_all(orphans, signal.SIGCONT)
+        procs.signal_all(orphans, signal.SIGKILL)
         if os.path.exists(self.slow_file):
             os.unlink(self.slow_file)
         return rc

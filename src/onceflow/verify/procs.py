@@ -67,6 +67,19 @@ def tree(pid: int) -> list[psutil.Process]:
         return []
 
 
+def with_env(key: str, value: str) -> list[psutil.Process]:
+    """Every process whose environment has ``key=value`` (inherited down a job's whole tree, so
+    this also finds what outlived its parent: a JVM or worker whose driver or supervisor died)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(key) == value:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            pass
+    return found
+
+
 def driver_jvm(driver: int) -> psutil.Process | None:
     for p in tree(driver)[1:]:
         if "java" in p.name() or _cmdline(p).startswith(("java", "/usr/lib/jvm")):
