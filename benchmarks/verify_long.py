@@ -44,8 +44,11 @@ RUNS = {  # name: (source, sink, extra faults, master)
     "kafka-pg2pc": ("kafka", "postgres-two_phase", ["pg_restart", "broker_restart", *PG_NET], "local[2]"),
     "kafka-pgidem": ("kafka", "postgres-idempotent", ["pg_restart", "broker_restart", *PG_NET], "local[2]"),
     # new runs go last: a run's seed is --seed plus its index here
-    "delta-upsert": ("sequence", "delta-upsert", ["zombie"], "local[2]"),
+    "delta-upsert": ("sequence", "delta-upsert", ["zombie", "concurrent_writer"], "local[2]"),
     "delta-upsert-cluster": ("sequence", "delta-upsert", ["executor_kill"], "local-cluster[2,1,1024]"),
+    "iceberg": ("sequence", "iceberg", ["concurrent_writer"], "local[2]"),
+    "iceberg-upsert": ("sequence", "iceberg-upsert", ["concurrent_writer"], "local[2]"),
+    "iceberg-cluster": ("sequence", "iceberg", ["executor_kill", "concurrent_writer"], "local-cluster[2,1,1024]"),
 }
 
 

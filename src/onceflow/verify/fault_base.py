@@ -40,6 +40,8 @@ class Harness(Protocol):
     faketime_file: str | None
     #: fault proxies in front of the job's servers, by kind (``postgres``)
     proxies: dict[str, FaultProxy]
+    #: ids (negative) of the rows a concurrent writer committed to the sink's table
+    foreign: list[int]
     workdir_log: str
 
     @property

@@ -20,6 +20,7 @@ from onceflow.verify import procs
 from onceflow.verify.clock import ClockSkew
 from onceflow.verify.fault_base import Fault, FaultMissed, Harness, can_unshare
 from onceflow.verify.netfaults import LostReply, NetPartition
+from onceflow.verify.writers import ConcurrentWriter
 
 __all__ = ["FAULTS", "Fault", "FaultMissed", "Harness"]
 
@@ -263,5 +264,5 @@ class StoreOutage(Fault):
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     DriverKill(), JvmKill(), Zombie(), ExecutorKill(), WorkerKill(), PgRestart(), PgDown(),
     BrokerRestart(), DiskFull(), SlowSink(), ContainerRestart(), StoreOutage(), ClockSkew(),
-    NetPartition(), LostReply(),
+    NetPartition(), LostReply(), ConcurrentWriter(),
 )}

@@ -34,6 +34,7 @@ from onceflow.verify.exactly_once import Report, check_events, check_upserts
 from onceflow.verify.faults import FAULTS, FaultMissed
 from onceflow.verify.readers import dangling, delta_decided, iceberg_decided, read_output
 from onceflow.verify.spec import UPSERT_DELETE_EVERY, Options, VerifySpec, upsert_keys
+from onceflow.verify.writers import split_foreign
 
 
 @dataclass
@@ -118,6 +119,7 @@ class Harness:
         self.settled: float | None = None
         self.settled_seq: int | None = None
         self.proxies: dict = {}
+        self.foreign: list[int] = []
         self.faketime_file = (os.path.join(spec.workdir, "faketime-job")
                               if "clock_skew" in options.faults else None)
         self._events: list[dict] = []
@@ -226,7 +228,8 @@ class Harness:
                 rc = self._finish()
             events = list(self.events())  # before a tmpfs checkpoint is unmounted
         ended = time.time()
-        table = read_output(self.spec)
+        table, foreign_problems = split_foreign(read_output(self.spec), self.foreign)
+        self.anomalies.extend(foreign_problems)
         if self.spec.sink.endswith("-upsert"):
             decided = iceberg_decided(self.spec) if self.spec.sink == "iceberg-upsert" else delta_decided(self.spec)
             report = check_upserts(table, self.spec.events, upsert_keys(self.spec.events), UPSERT_DELETE_EVERY,

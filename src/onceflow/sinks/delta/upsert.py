@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -88,7 +89,7 @@ def read_staged(fs: Any, root: str, handles: Sequence[Mapping[str, Any]]) -> pa.
         with fs.open(f"{root}/{h['path']}", "rb") as f:
             rows = pq.read_table(f)
         if rows.num_rows:
-            parts.append(rows.append_column(_TASK, pa.array([h.get("task", 0)] * rows.num_rows, pa.int64())))
+            parts.append(rows.append_column(_TASK, pa.array(np.full(rows.num_rows, h.get("task", 0), np.int64))))
     if not parts:
         return None
     return pa.concat_tables(parts, promote_options="default").combine_chunks()
@@ -97,10 +98,10 @@ def read_staged(fs: Any, root: str, handles: Sequence[Mapping[str, Any]]) -> pa.
 def last_per_key(rows: pa.Table, spec: UpsertSpec) -> pa.Table:
     """One row per key: the one with the largest ``order_by`` (nulls lose), ties broken by
     position in ``rows``; helper columns dropped. Vectorised (a sort and a group-by)."""
-    rows = rows.append_column(_POS, pa.array(range(rows.num_rows), pa.int64()))
+    rows = rows.append_column(_POS, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
     order = [(spec.order_by, "ascending", "at_start")] if spec.order_by else []
     ranked = rows.take(pc.sort_indices(rows, sort_keys=[*order, (_POS, "ascending", "at_start")]))
-    ranked = ranked.append_column(_RANK, pa.array(range(ranked.num_rows), pa.int64()))
+    ranked = ranked.append_column(_RANK, pa.array(np.arange(ranked.num_rows, dtype=np.int64)))
     winners = ranked.group_by(list(spec.keys), use_threads=False).aggregate([(_RANK, "max")])
     chosen = pc.sort_indices(winners.column(f"{_RANK}_max"))  # keep the batch's order
     out = ranked.take(winners.column(f"{_RANK}_max").take(chosen))
