@@ -19,7 +19,6 @@ from onceflow.errors import ConfigError
 from onceflow.job import CheckpointConfig, Job
 from onceflow.runtime.restart import fixed_delay
 from onceflow.sinks.delta import DeltaSink
-from onceflow.sinks.delta.upsert import UpsertSpec, last_per_key
 from onceflow.verify.readers import delta_dangling
 
 KEYS = 97
@@ -108,18 +107,6 @@ def test_partitioned_upsert_into_an_existing_table_keeps_its_partitioning(spark,
     want = {k: r | {"p": k % 2} for k, r in expected(3000).items()} | {500: {"k": 500, "seq": -1, "op": "u",
                                                                            "v": "keep", "p": 0}}
     assert got == want
-
-
-def test_last_per_key_is_deterministic_without_order_by_and_with_ties():
-    """Without order_by the batch's order decides (task partition, then position); with it the
-    largest value wins, a tie by the same order, and a null never beats a value."""
-    rows = pa.table({"k": [1, 2, 1, 1, None, None], "o": [5, 1, 5, None, 2, 3], "v": list("abcdef"),
-                     "__onceflow_task": [0, 0, 0, 1, 1, 1]})
-    plain = last_per_key(rows, UpsertSpec(("k",)))
-    assert sorted(plain.to_pylist(), key=str) == sorted(
-        [{"k": 2, "o": 1, "v": "b"}, {"k": 1, "o": None, "v": "d"}, {"k": None, "o": 3, "v": "f"}], key=str)
-    ordered = last_per_key(rows, UpsertSpec(("k",), order_by="o"))
-    assert {r["k"]: r["v"] for r in ordered.to_pylist()} == {1: "c", 2: "b", None: "f"}
 
 
 @pytest.mark.parametrize("kw, message", [

@@ -95,7 +95,6 @@ class Decision:
 
 
 def _handle_keys(handles: list[Any] | None) -> list[str] | None:
-    import json
 
     return None if handles is None else sorted(json.dumps(h, sort_keys=True) for h in handles if h)
 
@@ -427,47 +426,6 @@ class TwoPhaseCommitWriter(DataSourceStreamArrowWriter):
             )
         except OSError as e:  # the event log is for humans; never fail a commit over it
             log.warning("could not append to the event log: %s", e)
-
-
-def parse_columns(text: str | None, sink: str, option: str = "keys") -> tuple[str, ...]:
-    """Column names from an option: a JSON list or comma-separated; ConfigError in one line."""
-    if not text:
-        return ()
-    text = text.strip()
-    if text.startswith("["):
-        try:
-            value = json.loads(text)
-        except ValueError:
-            raise ConfigError(f"{sink}: {option}={text!r} is not a JSON list of column names") from None
-        if not isinstance(value, list) or not all(isinstance(c, str) and c for c in value):
-            raise ConfigError(f"{sink}: {option}={text!r}; give a list of column names")
-        return tuple(value)
-    return tuple(c.strip() for c in text.split(",") if c.strip())
-
-
-#: the boolean column an upsert's ``delete_when`` is computed into by Spark (never written)
-DELETE_COLUMN = "_onceflow_delete"
-
-
-def with_delete_flag(df: Any, predicate: str | None, sink: str) -> Any:
-    """``df`` plus :data:`DELETE_COLUMN` = ``predicate`` (a SQL predicate over its columns),
-    analysed now; ``df`` itself without a predicate. ConfigError in one line for a predicate
-    Spark rejects, or a stream that already has the column."""
-    if not predicate:
-        return df
-    from pyspark.errors import PySparkException
-    from pyspark.sql import functions as F
-
-    if DELETE_COLUMN in df.columns:
-        raise ConfigError(f"{sink}: the stream has a column {DELETE_COLUMN}, which delete_when computes")
-    try:
-        out = df.withColumn(DELETE_COLUMN, F.expr(predicate).cast("boolean"))
-        out.schema  # noqa: B018 - analyse now: a bad predicate fails here, in one line
-    except PySparkException as e:
-        first = str(e).strip().splitlines()[0]
-        raise ConfigError(f"{sink}(delete_when={predicate!r}) is not a SQL predicate over the stream's "
-                          f"columns ({', '.join(df.columns)}): {first}") from None
-    return out
 
 
 class Sink(ABC):

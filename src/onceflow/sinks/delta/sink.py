@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import DELETE_COLUMN, Sink, TwoPhaseCommitSink, with_delete_flag
+from onceflow.sinks.base import Sink, TwoPhaseCommitSink
+from onceflow.sinks.upserts import check_fields, wire_options, with_delete_flag
 from onceflow.storage import as_options, normalize_url, resolve, scheme_of
 
 log = logging.getLogger(__name__)
@@ -69,17 +70,9 @@ class DeltaSink(Sink):
             raise ConfigError(f"DeltaSink.partition_by={self.partition_by!r}; give a list of column names")
         if self.schema_mode not in ("strict", "merge"):
             raise ConfigError(f"DeltaSink.schema_mode={self.schema_mode!r}; use 'strict' or 'merge'")
-        if isinstance(self.keys, str):
-            self.keys = [self.keys]
-        if self.write not in ("append", "upsert"):
-            raise ConfigError(f"DeltaSink.write={self.write!r}; use 'append' or 'upsert'")
-        if self.write == "upsert":
-            if not self.keys or not all(isinstance(c, str) and c for c in self.keys):
-                raise ConfigError("DeltaSink(write='upsert') needs keys=[...], the columns that identify a row")
-            if self.writer == "jvm":
-                raise ConfigError("DeltaSink(write='upsert') runs on the arrow writer; leave writer out")
-        elif self.keys or self.delete_when or self.order_by:
-            raise ConfigError("DeltaSink: keys, delete_when and order_by apply to write='upsert' only")
+        self.keys = check_fields("DeltaSink", self.write, self.keys, self.delete_when, self.order_by)
+        if self.write == "upsert" and self.writer == "jvm":
+            raise ConfigError("DeltaSink(write='upsert') runs on the arrow writer; leave writer out")
 
     def options(self) -> dict[str, str]:
         opts = {"path": str(self.path), "sink_id": self.sink_id}
@@ -91,12 +84,7 @@ class DeltaSink(Sink):
             opts["partition_by"] = json.dumps(list(self.partition_by))
         if self.schema_mode != "strict":
             opts["schema_mode"] = self.schema_mode
-        if self.write == "upsert":
-            opts["write"], opts["keys"] = "upsert", json.dumps(list(self.keys or ()))
-            if self.order_by:
-                opts["order_by"] = self.order_by
-            if self.delete_when:
-                opts["delete_column"] = DELETE_COLUMN
+        opts.update(wire_options(self.write, self.keys, self.order_by, self.delete_when))
         resolved = resolve(str(self.path), self.storage_options)  # executors have no job
         if resolved:
             opts["storage_options"] = json.dumps(resolved)

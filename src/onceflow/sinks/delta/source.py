@@ -68,7 +68,8 @@ from onceflow.sinks.delta.files import (
 )
 from onceflow.sinks.delta.log import LogSnapshot
 from onceflow.sinks.delta.tasks import write_file, write_partitioned
-from onceflow.sinks.delta.upsert import last_per_key, merge, read_staged, staged_rule
+from onceflow.sinks.delta.upsert import merge, read_staged, staged_rule
+from onceflow.sinks.upserts import last_per_key
 from onceflow.storage import scheme_of
 
 log = logging.getLogger(__name__)
@@ -383,7 +384,7 @@ class DeltaDataSource(DeltaTableAccess):
         if not staged:
             fs, path = self._fs()
             rows = read_staged(fs, path, decision.handles)
-            staged.append(None if rows is None else last_per_key(rows, self.upsert))
+            staged.append(None if rows is None else last_per_key(rows, self.upsert.keys, self.upsert.order_by))
         props = CommitProperties(
             custom_metadata={"onceflow": json.dumps(meta)},
             app_transactions=[Transaction(self.app_id(decision.lineage), decision.batch_id)],

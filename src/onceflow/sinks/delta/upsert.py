@@ -23,16 +23,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import CommitProperties, DeltaTable
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import parse_columns
-
-_TASK, _POS, _RANK = "__onceflow_task", "__onceflow_pos", "__onceflow_rank"
+from onceflow.sinks.upserts import parse_wire
 
 
 @dataclass(frozen=True)
@@ -47,18 +44,8 @@ class UpsertSpec:
     @classmethod
     def from_options(cls, opts: Mapping[str, str]) -> UpsertSpec | None:
         """The spec of ``write=upsert`` options; None for appends. Bad options: ConfigError."""
-        write = opts.get("write") or "append"
-        if write not in ("append", "upsert"):
-            raise ConfigError(f"onceflow-delta: write={write!r}; use 'append' or 'upsert'")
-        keys = parse_columns(opts.get("keys"), "onceflow-delta")
-        if write == "append":
-            stray = [k for k in ("keys", "order_by", "delete_column") if opts.get(k)]
-            if stray:
-                raise ConfigError(f"onceflow-delta: option {stray[0]} applies to write='upsert' only")
-            return None
-        if not keys:
-            raise ConfigError("onceflow-delta: write='upsert' needs keys (the columns that identify a row)")
-        return cls(keys, opts.get("order_by") or None, opts.get("delete_column") or None)
+        parsed = parse_wire(opts, "onceflow-delta")
+        return None if parsed is None else cls(*parsed)
 
     def check(self, stream: pa.Schema, where: str) -> None:
         """Every named column exists; the delete column is boolean; no key is the delete column."""
@@ -82,30 +69,17 @@ class UpsertSpec:
 
 
 def read_staged(fs: Any, root: str, handles: Sequence[Mapping[str, Any]]) -> pa.Table | None:
-    """The batch's staged rows in the batch's order (task partition, then row), with the
-    task partition as a column; None when no task staged a row."""
+    """The batch's staged rows in the batch's order (task partition, then row); None when no
+    task staged a row."""
     parts = []
     for h in sorted(handles, key=lambda h: (h.get("task", 0), h["path"])):
         with fs.open(f"{root}/{h['path']}", "rb") as f:
             rows = pq.read_table(f)
         if rows.num_rows:
-            parts.append(rows.append_column(_TASK, pa.array(np.full(rows.num_rows, h.get("task", 0), np.int64))))
+            parts.append(rows)
     if not parts:
         return None
     return pa.concat_tables(parts, promote_options="default").combine_chunks()
-
-
-def last_per_key(rows: pa.Table, spec: UpsertSpec) -> pa.Table:
-    """One row per key: the one with the largest ``order_by`` (nulls lose), ties broken by
-    position in ``rows``; helper columns dropped. Vectorised (a sort and a group-by)."""
-    rows = rows.append_column(_POS, pa.array(np.arange(rows.num_rows, dtype=np.int64)))
-    order = [(spec.order_by, "ascending", "at_start")] if spec.order_by else []
-    ranked = rows.take(pc.sort_indices(rows, sort_keys=[*order, (_POS, "ascending", "at_start")]))
-    ranked = ranked.append_column(_RANK, pa.array(np.arange(ranked.num_rows, dtype=np.int64)))
-    winners = ranked.group_by(list(spec.keys), use_threads=False).aggregate([(_RANK, "max")])
-    chosen = pc.sort_indices(winners.column(f"{_RANK}_max"))  # keep the batch's order
-    out = ranked.take(winners.column(f"{_RANK}_max").take(chosen))
-    return out.drop_columns([c for c in (_TASK, _POS, _RANK) if c in out.column_names])
 
 
 def merge(table: DeltaTable, rows: pa.Table, spec: UpsertSpec, props: CommitProperties,

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import DELETE_COLUMN, Sink, with_delete_flag
+from onceflow.sinks.base import Sink
 from onceflow.sinks.iceberg.catalog import catalog_spec
+from onceflow.sinks.upserts import check_fields, wire_options, with_delete_flag
 from onceflow.storage import as_options
 
 
@@ -51,15 +52,7 @@ class IcebergSink(Sink):
         if self.mode not in (None, "append"):
             raise ConfigError(f"IcebergSink.mode={self.mode!r} is not supported; use 'append' (complete "
                               "is not implemented; for upserts give write='upsert' and keys)")
-        if isinstance(self.keys, str):
-            self.keys = [self.keys]
-        if self.write not in ("append", "upsert"):
-            raise ConfigError(f"IcebergSink.write={self.write!r}; use 'append' or 'upsert'")
-        if self.write == "upsert":
-            if not self.keys or not all(isinstance(c, str) and c for c in self.keys):
-                raise ConfigError("IcebergSink(write='upsert') needs keys=[...], the columns that identify a row")
-        elif self.keys or self.delete_when or self.order_by:
-            raise ConfigError("IcebergSink: keys, delete_when and order_by apply to write='upsert' only")
+        self.keys = check_fields("IcebergSink", self.write, self.keys, self.delete_when, self.order_by)
         self.storage_options = as_options(self.storage_options, "IcebergSink.storage_options")
 
     def options(self) -> dict[str, str]:
@@ -72,12 +65,7 @@ class IcebergSink(Sink):
             opts["mode"] = self.mode
         if self.storage_options:
             opts["storage_options"] = json.dumps(dict(self.storage_options))
-        if self.write == "upsert":
-            opts["write"], opts["keys"] = "upsert", json.dumps(list(self.keys or ()))
-            if self.order_by:
-                opts["order_by"] = self.order_by
-            if self.delete_when:
-                opts["delete_column"] = DELETE_COLUMN
+        opts.update(wire_options(self.write, self.keys, self.order_by, self.delete_when))
         return opts
 
     def prepare(self, df: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Tasks stage their rows as Parquet files in the table's ``data/`` directory, named as an
 append's task files (invisible: no snapshot lists them). The driver's decision reads the
-batch's staged rows, keeps the last event per key (:func:`latest_per_key`) and commits, on top
+batch's staged rows, keeps the last event per key (:func:`~onceflow.sinks.upserts.last_per_key`) and commits, on top
 of exactly the metadata its fence and decided-batch check read, ONE snapshot that
 
 * removes every data file holding a key of the batch, adding back a rewrite of its other rows
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from onceflow.errors import ConfigError
-from onceflow.sinks.base import DELETE_COLUMN, parse_columns
+from onceflow.sinks.upserts import DELETE_COLUMN, last_per_key, parse_wire
 
 #: snapshot summary entry of an upsert decision: the data files it added (JSON list of names)
 OUTPUTS = "onceflow.outputs"
@@ -53,20 +53,8 @@ class UpsertSpec:
     @classmethod
     def from_options(cls, opts: Mapping[str, str]) -> UpsertSpec | None:
         """The spec of ``write=upsert`` options; None for appends. Bad options: ConfigError."""
-        write = opts.get("write") or "append"
-        if write not in ("append", "upsert"):
-            raise ConfigError(f"{_FMT}: write={write!r}; use 'append' or 'upsert'")
-        keys = parse_columns(opts.get("keys"), _FMT)
-        if write == "append":
-            stray = [k for k in ("keys", "order_by", "delete_column") if opts.get(k)]
-            if stray:
-                raise ConfigError(f"{_FMT}: option {stray[0]} applies to write='upsert' only")
-            return None
-        if not keys:
-            raise ConfigError(f"{_FMT}: write='upsert' needs keys (the columns that identify a row)")
-        if len(set(keys)) != len(keys):
-            raise ConfigError(f"{_FMT}: keys={list(keys)} names a column twice")
-        return cls(keys, opts.get("order_by") or None, opts.get("delete_column") or None)
+        parsed = parse_wire(opts, _FMT)
+        return None if parsed is None else cls(*parsed)
 
     def data_names(self, names: Sequence[str]) -> list[str]:
         """The stream's columns that are written (all but the delete column)."""
@@ -124,27 +112,6 @@ def read_staged(fs: Any, data_dir: str, names: Sequence[str]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def latest_per_key(rows: pa.Table, keys: Sequence[str], order_by: str | None) -> pa.Table:
-    """The last event per key of ``rows`` (given in batch order), vectorised: the largest
-    ``order_by`` value wins (nulls lose), ties broken by position; winners keep batch order."""
-    n = rows.num_rows
-    if n == 0:
-        return rows
-    position = np.arange(n, dtype=np.int64)
-    if order_by:
-        value = rows.column(order_by)  # nulls first: sorted by (has a value, value, position)
-        order = pc.sort_indices(pa.table({"v": pc.is_valid(value), "o": value, "p": position}),
-                                sort_keys=[("v", "ascending"), ("o", "ascending"), ("p", "ascending")]).to_numpy()
-        rank = np.empty(n, dtype=np.int64)
-        rank[order] = position
-    else:
-        order, rank = position, position
-    ranked = rows.select(list(keys)).append_column("__onceflow_rank", pa.array(rank))
-    best = ranked.group_by(list(keys), use_threads=False).aggregate([("__onceflow_rank", "max")])
-    winners = np.sort(order[best.column("__onceflow_rank_max").to_numpy()])
-    return rows.take(pa.array(winners))
-
-
 @dataclass
 class BatchChange:
     """What a batch does to the table: its winning rows (``upserts``, delete column dropped) and
@@ -158,7 +125,7 @@ class BatchChange:
     def of(cls, staged: pa.Table, spec: UpsertSpec) -> BatchChange:
         if staged.num_rows == 0:  # no task wrote rows: the batch changes nothing
             return cls(pa.table({}), pa.table({}), 0)
-        winners = latest_per_key(staged, spec.keys, spec.order_by)
+        winners = last_per_key(staged, spec.keys, spec.order_by)
         keys, deleted = winners.select(list(spec.keys)), 0
         if spec.delete_column and spec.delete_column in winners.column_names:
             flag = pc.fill_null(winners.column(spec.delete_column), False)
