@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs onceflow into ./.venv on a fresh machine.  Usage: ./setup.sh [test]
-#   (no argument) runtime only;  test  also the test extras and the PostgreSQL server.
+#   (no argument) runtime and the Delta sink (what `onceflow demo` needs);  test  every extra,
+#   the test tools and the PostgreSQL server. Without setup.sh: pip install 'onceflow[EXTRAS]'.
 set -euo pipefail
 cd "$(dirname "$0")"
 want_test=${1:-}
@@ -40,7 +41,7 @@ fi
 if [ "$want_test" = test ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
 else
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e ".[delta]"
 fi
 if [ "$want_test" = test ]; then
   # The Kinesis source tests run kinesalite (a Kinesis API server on Node.js) from .venv/node.

@@ -25,7 +25,7 @@ LAYERS: list[list[str]] = [
     ["onceflow.savepoint"],
     ["onceflow.checkpoint", "onceflow.sinks", "onceflow.sources", "onceflow.spark", "onceflow.jvm_cache"],
     ["onceflow.storage", "onceflow.errors", "onceflow.durations", "onceflow.process", "onceflow.outages",
-     "onceflow.faults", "onceflow.kafka_client", "onceflow"],
+     "onceflow.faults", "onceflow.kafka_client", "onceflow.extras", "onceflow"],
 ]
 
 

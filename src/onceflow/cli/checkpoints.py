@@ -7,6 +7,8 @@ import time
 
 import click
 
+from onceflow.extras import require
+
 
 def _offsets(offsets: list) -> str:
     text = "; ".join(json.dumps(o, separators=(",", ":")) if not isinstance(o, str) else o for o in offsets)
@@ -31,6 +33,8 @@ def checkpoints(checkpoint_dir: str, limit: int, as_json: bool, chart: str | Non
     from onceflow.checkpoint.restarts import restart_table, restarts
 
     require_checkpoint(checkpoint_dir)
+    if chart:
+        require("charts", "onceflow checkpoints --chart")
     rows = batch_history(checkpoint_dir, limit or None)
     events = list(EventLog(checkpoint_dir).read())
     recent = restarts(events)

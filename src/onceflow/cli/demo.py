@@ -7,6 +7,8 @@ import sys
 import click
 from rich.console import Console
 
+from onceflow.extras import require
+
 
 @click.command()
 @click.option("--events", default=3_000_000, show_default=True, type=click.IntRange(1000),
@@ -23,6 +25,7 @@ from rich.console import Console
               "after the driver came up), or as soon as the driver commits.")
 def demo(events: int, rate: int, kills: int, workdir: str, seed: int | None, wait_standby: bool) -> None:
     """Run a failover scenario: crash the driver, restart, prove exactly-once."""
+    require("delta", "onceflow demo (it writes a Delta table)")
     from onceflow.demo import DemoRunner, print_result
 
     console = Console()

@@ -13,6 +13,7 @@ import click
 from rich.console import Console
 
 from onceflow.errors import OnceflowError
+from onceflow.extras import require
 from onceflow.verify.faults import FAULTS
 from onceflow.verify.spec import SINKS, SOURCES
 
@@ -93,6 +94,7 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
     nothing (prepared transaction, orphan file) was left dangling; 1 FAILED; 3 INCONCLUSIVE
     (clean, but fewer faults than --count could be injected).
     """
+    require("verify", "onceflow verify")  # before the run, not after it: the chart needs matplotlib
     from onceflow.verify import report
     from onceflow.verify.harness import Harness
     from onceflow.verify.spec import Options, VerifySpec

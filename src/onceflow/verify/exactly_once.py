@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from onceflow.extras import require
+
 
 @dataclass
 class Report:
@@ -66,6 +68,7 @@ def check_running_counts(table: pa.Table) -> int:
 
 def check_delta_table(path: str, expected: int, storage_options: dict | None = None) -> Report:
     """Read a Delta table with delta-rs and check its ``id`` column (and running counts)."""
+    require("delta", "reading a Delta table back")
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 

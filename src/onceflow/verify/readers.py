@@ -29,6 +29,7 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 
+from onceflow.extras import require
 from onceflow.verify.spec import VerifySpec
 
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.string()), ("checksum", pa.int64())])
@@ -121,6 +122,7 @@ def delta_decided(spec: VerifySpec) -> list[int]:
 
 
 def _read_delta(spec: VerifySpec) -> pa.Table:
+    require("delta", "reading a Delta table back")
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 
@@ -165,6 +167,7 @@ def delta_dangling(table: str) -> list[str]:
     half-written) none of whose files the log lists, named with a trailing ``/``. Files that a
     later version removed (an upsert's MERGE rewrites files) are the log's, kept for time
     travel until a VACUUM: not dangling."""
+    require("delta", "reading a Delta table back")
     from deltalake import DeltaTable
     from deltalake.exceptions import TableNotFoundError
 

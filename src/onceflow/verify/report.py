@@ -9,6 +9,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
+from onceflow.extras import require
 from onceflow.verify.harness import VerifyResult
 
 
@@ -94,6 +95,7 @@ def print_report(result: VerifyResult, console: Console) -> None:
 
 def chart(result: VerifyResult, path: str) -> None:
     """Committed events (cumulative) and throughput per second, a vertical line per fault."""
+    require("charts", "onceflow verify's chart")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -7,8 +7,12 @@ version per batch carrying the add actions and the app transaction ``onceflow-<s
 = batch id, on top of a snapshot whose fencing epoch is its own (:mod:`.source`).
 """
 
-from onceflow.sinks.delta.files import _FILE, to_arrow_schema
-from onceflow.sinks.delta.sink import DeltaSink
-from onceflow.sinks.delta.source import DeltaDataSource
+from onceflow.extras import require
+
+require("delta", "onceflow's Delta sink (DeltaSink)")  # one line, before any deltalake import
+
+from onceflow.sinks.delta.files import _FILE, to_arrow_schema  # noqa: E402
+from onceflow.sinks.delta.sink import DeltaSink  # noqa: E402
+from onceflow.sinks.delta.source import DeltaDataSource  # noqa: E402
 
 __all__ = ["_FILE", "DeltaDataSource", "DeltaSink", "to_arrow_schema"]

@@ -55,7 +55,7 @@ except ModuleNotFoundError as e:  # an ImportError still: the sink registry skip
 from onceflow.errors import ConfigError, SinkError
 from onceflow.faults import maybe_crash
 from onceflow.sinks.base import Decision, TaskInfo, TwoPhaseCommitSink, fenced
-from onceflow.sinks.delta.files import (
+from onceflow.sinks.files import (
     compatible,
     dictionary_columns,
     file_name,

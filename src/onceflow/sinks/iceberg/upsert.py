@@ -97,7 +97,7 @@ def check_keys(batch: pa.RecordBatch, spec: UpsertSpec) -> None:
 
 def read_staged(fs: Any, data_dir: str, names: Sequence[str]) -> pa.Table:
     """The batch's staged rows in batch order: task files sorted by (partition, attempt), each
-    in its rows' order (one file per task; names from :func:`~onceflow.sinks.delta.files.file_name`)."""
+    in its rows' order (one file per task; names from :func:`~onceflow.sinks.files.file_name`)."""
     def order(name: str) -> tuple[int, int, str]:
         part = name.split("-p", 1)[1] if "-p" in name else "0"
         p, _, rest = part.partition("-a")

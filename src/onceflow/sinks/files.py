@@ -1,0 +1,162 @@
+"""The files a two-phase-commit file sink (Delta, Iceberg) writes into its table directory,
+and how it finds them again.
+
+A *unit* is what one write attempt leaves in the table directory and what clean-up deletes
+whole: a task file of the Arrow path, ``part-of-<lineage>-e<epoch>-b<batch>-p<part>-a<attempt>-
+<uuid>.parquet``, or a per-batch directory of the Delta sink's JVM path, ``part-of-<lineage>-
+e<epoch>-b<batch>-d<uuid>/`` holding the files Spark's Parquet writer wrote for one attempt of
+the batch. Both names carry the lineage, the writer's epoch and the batch id, so recovery and
+commit decide from the name alone what is an orphan. A handle's ``path`` (relative to the
+table) starts with its unit. No table library here: the Iceberg sink uses these without
+deltalake installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from functools import lru_cache
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from fsspec.implementations.local import LocalFileSystem
+from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
+from pyspark.sql.types import StructType
+
+from onceflow.sinks.base import TaskInfo
+
+_FILE = re.compile(
+    r"^part-of-(?P<lineage>[0-9a-f-]{36})(?:-e(?P<epoch>\d+))?-b(?P<batch>\d+)-p(?P<part>\d+)"
+    r"-a(?P<att>\d+)-[0-9a-f]+\.parquet$"
+)
+_DIR = re.compile(r"^part-of-(?P<lineage>[0-9a-f-]{36})-e(?P<epoch>\d+)-b(?P<batch>\d+)-d[0-9a-f]+$")
+
+
+def to_arrow_schema(schema: StructType) -> pa.Schema:
+    """Spark schema -> Arrow schema as Spark's Arrow batches carry it (timestamps in UTC)."""
+    return _to_arrow_schema(schema, timezone="UTC")
+
+
+def file_name(task: TaskInfo, epoch: int | None) -> str:
+    """The Arrow path's task file name."""
+    return (
+        f"part-of-{task.lineage}-e{epoch or 0}-b{task.batch_id:010d}-p{task.partition:05d}"
+        f"-a{task.attempt}-{uuid.uuid4().hex[:12]}.parquet"
+    )
+
+
+def dir_name(lineage: str, epoch: int | None, batch_id: int) -> str:
+    """The JVM path's directory for one attempt of one batch (unique per attempt)."""
+    return f"part-of-{lineage}-e{epoch or 0}-b{batch_id:010d}-d{uuid.uuid4().hex[:12]}"
+
+
+def unit(path: str) -> str:
+    """The unit (task file or per-batch directory) a handle's relative path belongs to."""
+    return path.split("/", 1)[0]
+
+
+def orphan_rule(keep: set[str], mine: int | None, last: int, last_files: set[str] | None,
+                decided: Mapping[int, frozenset[str]] | None = None) -> Callable[[int, int, str], bool]:
+    """Whether a file of (batch, epoch, name) is an orphan that recovery may delete: not in
+    flight (``keep``), written under an older epoch than ``mine``, and either of a batch after
+    the last decided one, or of the last decided batch but not in its decision (``last_files``;
+    None: the decision's files are unknown, keep them all), or of an earlier batch whose
+    decision ``decided`` lists (batch -> units) and does not name it (a straggler's late file)."""
+
+    def orphan(b: int, e: int, name: str) -> bool:
+        if name in keep or (mine is not None and e >= mine):
+            return False
+        if b > last:
+            return True
+        if b == last:
+            return last_files is not None and name not in last_files
+        return decided is not None and b in decided and name not in decided[b]
+
+    return orphan
+
+
+def losing_rule(batch_id: int, keep: set[str], mine: int | None,
+                decided: Mapping[int, frozenset[str]]) -> Callable[[int, int, str], bool]:
+    """Whether the commit of ``batch_id`` (decision units ``keep``) may delete a file of
+    (batch, epoch, name): never one of a newer epoch than ``mine``; of this batch, one its
+    decision does not list; of another batch, one that batch's decision (``decided``: batch ->
+    units, the decisions this process knows) does not list. A decided batch is never in
+    flight again, so such a file is a loser whatever its epoch: a straggler's, a speculative
+    attempt's, a lost executor's or a zombie's, finished after the batch committed. A file
+    deleted while its writer still writes it may reappear; a later commit deletes it again.
+    Undecided batches (not in ``decided``) are never touched."""
+
+    def losing(b: int, e: int, name: str) -> bool:
+        if mine is not None and e > mine:
+            return False
+        if b == batch_id:
+            return name not in keep
+        return b in decided and name not in decided[b]
+
+    return losing
+
+
+@lru_cache(maxsize=65536)
+def parse_unit(name: str) -> tuple[str, int, int] | None:
+    """(lineage, epoch, batch) of a unit name, None for anything else (cached: clean-up
+    parses every unit of the table directory after each batch)."""
+    m = _FILE.match(name) or _DIR.match(name)
+    return None if m is None else (m["lineage"], int(m["epoch"] or 0), int(m["batch"]))
+
+
+def remove_units(fs, path: str, lineage: str, predicate: Callable[[int, int, str], bool]) -> int:
+    """Delete this lineage's units for which ``predicate(batch, epoch, unit_name)`` holds
+    (directories with everything in them); return how many."""
+    removed = 0
+    if isinstance(fs, LocalFileSystem):  # names only: no stat per entry (the directory grows)
+        names = os.listdir(path)
+    else:
+        names = [full.rstrip("/").rsplit("/", 1)[-1] for full in fs.ls(path, detail=False)]
+    prefix = f"part-of-{lineage}-"
+    for name in names:
+        parsed = parse_unit(name) if name.startswith(prefix) else None
+        if parsed and parsed[0] == lineage and predicate(parsed[2], parsed[1], name):
+            try:
+                fs.rm(f"{path}/{name}", recursive=True)
+            except FileNotFoundError:  # removed meanwhile (another clean-up): same outcome
+                pass
+            removed += 1
+    return removed
+
+
+def dictionary_columns(batch: pa.RecordBatch, sample: int = 10_000) -> list[str] | bool:
+    """Columns worth dictionary-encoding, judged on the first rows: those with few distinct
+    values. A column of mostly unique values (ids, timestamps) would be dictionary-encoded
+    until the dictionary page fills and then fall back: twice the encoding work for a larger
+    file. Nested schemas keep Parquet's default (every column)."""
+    if any(pa.types.is_nested(f.type) for f in batch.schema):
+        return True
+    head = batch.slice(0, sample)
+    keep = []
+    for name, column in zip(head.schema.names, head.columns, strict=True):
+        try:
+            if pc.count_distinct(column).as_py() <= 0.3 * len(column):
+                keep.append(name)
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+            keep.append(name)
+    return keep
+
+
+def compatible(a: pa.DataType, b: pa.DataType) -> bool:
+    """A stream column of type ``a`` may be appended to a table column of type ``b``."""
+    if a == b:
+        return True
+    norm = {pa.large_string(): pa.string(), pa.large_binary(): pa.binary(), pa.string_view(): pa.string()}
+    a, b = norm.get(a, a), norm.get(b, b)
+    if pa.types.is_timestamp(a) and pa.types.is_timestamp(b):
+        return True
+    return a == b
+
+
+def add_files(handles: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The data files of decision handles: a handle is one file, or (a partitioned task's
+    directory) lists its files under ``files``."""
+    return [f for h in handles for f in (h.get("files") or [h])]
