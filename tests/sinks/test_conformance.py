@@ -61,7 +61,8 @@ SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "delta-upsert", "
 #: partitioning on the Arrow path only (both writers' partitioned commits are also crashed and
 #: replayed in test_delta_partitioned.py; the fence does not depend on partitioning)
 CRASHED = [s for s in SINKS if s != "delta-jvm-part"]
-ZOMBIES = [s for s in SINKS if not s.endswith("-part")]
+#: sqlite (the example sink) passes the zombie chain too, left out for time (docs/custom-sink.md)
+ZOMBIES = [s for s in SINKS if not s.endswith("-part") and s != "sqlite"]
 
 
 # ---- the sinks under test ----------------------------------------------------------------------
