@@ -74,7 +74,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     sup = onceflow("run", "--no-standby", str(tmp_path / "job.py"), "--savepoint-dir", str(sps), env=env)
     try:
         wait_for_commits(ckpt, 3, sup)
-        sup.send_signal(signal.SIGTERM)  # DESIGN.md section 7: SIGTERM stops with a savepoint
+        sup.send_signal(signal.SIGTERM)  # docs/savepoints.md: SIGTERM stops with a savepoint
         out, err = sup.communicate(timeout=180)
     finally:
         if sup.poll() is None:

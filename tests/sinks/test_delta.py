@@ -1,4 +1,4 @@
-"""Delta sink: exactly-once through every crash window of DESIGN.md section 3 (real Spark)."""
+"""Delta sink: exactly-once through every crash window of docs/protocol.md section 5 (real Spark)."""
 
 from __future__ import annotations
 

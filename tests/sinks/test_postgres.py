@@ -1,4 +1,4 @@
-"""PostgreSQL sink: exactly-once through the crash windows of DESIGN.md section 3 (real Spark, real PostgreSQL)."""
+"""PostgreSQL sink: exactly-once through the crash windows of docs/protocol.md section 5 (real Spark, real PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def test_type_mapping_and_values_round_trip(spark, pg, tmp_path, with_decimal):
         assert rows(pg, f"SELECT n FROM {sink.table} WHERE id = 299") == [(Decimal("37.375"),)]  # Spark widens the scale of the division
 
 
-# ---- crash windows (DESIGN.md section 3) --------------------------------------------------------
+# ---- crash windows (docs/protocol.md section 5) -------------------------------------------------
 
 
 # The crash-window matrix (raise in each window, restart in-process) runs against every sink in

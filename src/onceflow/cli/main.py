@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import click
 
 from onceflow import __version__, logs
+from onceflow.cli import apidoc
 from onceflow.cli.checkpoints import checkpoints, state
 from onceflow.cli.demo import demo
 from onceflow.cli.docgen import render
@@ -74,9 +75,16 @@ def config_reference() -> None:
     click.echo(render(main), nl=False)
 
 
+@click.command("api-reference", hidden=True)
+def api_reference() -> None:
+    """Print docs/api.md (the public API from its docstrings) as generated."""
+    click.echo(apidoc.render(), nl=False)
+
+
 # One line per command.
 main.add_command(log_options(run))  # 'onceflow run --log-level DEBUG JOB' as well
 main.add_command(config_reference)
+main.add_command(api_reference)
 main.add_command(demo)
 main.add_command(savepoint)
 main.add_command(stop)
