@@ -90,6 +90,23 @@ def test_spark_redaction_conf_extends_what_the_user_gave():
 
     conf = spark_redaction_conf({"spark.redaction.regex": "(?i)mine"})
     assert conf["spark.redaction.regex"].startswith("(?:(?i)mine)|(?:(?i)secret|password|token")
-    assert "account[._]?key" in conf["spark.redaction.regex"]
+    assert "account[._-]?key" in conf["spark.redaction.regex"]
     assert conf["spark.sql.redaction.string.regex"] == SECRET_TEXT
     assert "spark.redaction.regex" not in spark_redaction_conf({}, connect=True)
+
+
+def test_pyiceberg_spellings_of_store_secrets_are_redacted_too():
+    """An Iceberg ``catalog`` may carry pyiceberg's FileIO properties, hyphenated
+    (``adls.account-key``, ``adls.connection-string``, ``s3.secret-access-key``): masked in
+    text, in mappings, and matched by Spark's option regex (before: the hyphen slipped past
+    ``account[._]?key`` and ``connection_string``)."""
+    import re
+
+    from onceflow.storage import SPARK_REDACTION, redact
+
+    text = '{"adls.account-key": "AzK1", "adls.connection-string": "Cs1", "s3.secret-access-key": "S3k"}'
+    out = redact(text)
+    assert not any(s in out for s in ("AzK1", "Cs1", "S3k")), out
+    assert redact({"adls.connection-string": "Cs1"}) == {"adls.connection-string": "***"}
+    for name in ("adls.account-key", "adls.connection-string", "adls.sas-token"):
+        assert re.search(SPARK_REDACTION, name), name

@@ -41,19 +41,20 @@ from typing import Any, overload
 from onceflow.errors import ConfigError
 
 ENV = "ONCEFLOW_STORAGE_OPTIONS"
-SECRET = re.compile(r"(?i)secret|password|token|key|credential|sas|connection_string|signature")
+SECRET = re.compile(r"(?i)secret|password|token|key|credential|sas|connection[_-]?string|signature")
 #: Spark's default ``spark.redaction.regex`` (matched against setting/option names and values)
 SPARK_DEFAULT_REDACTION = r"(?i)secret|password|token|access[.]?key"
 #: what onceflow adds to it: object-store secrets Spark's default misses, and onceflow's own
-#: ``storage_options`` option (its whole JSON value is hidden)
-SPARK_REDACTION = (SPARK_DEFAULT_REDACTION + r"|account[._]?key|connection[._]?string|sas[._]?token"
-                   r"|credential|storage_options")
+#: ``storage_options`` option (its whole JSON value is hidden), also in pyiceberg's hyphenated
+#: spelling (``adls.account-key``, ``adls.connection-string``) that an Iceberg ``catalog`` may carry
+SPARK_REDACTION = (SPARK_DEFAULT_REDACTION + r"|account[._-]?key|connection[._-]?string"
+                   r"|sas[._-]?token|credential|storage_options")
 #: a secret inside free text: ``name: value``/``name=value`` (JSON, dict repr, connection
 #: strings, SAS query strings, the JSON escaped inside a Spark Connect plan) and PEM private
 #: keys. Valid for Python's ``re`` and Java's regex alike (``spark.sql.redaction.string.regex``).
 SECRET_TEXT = (
-    r"(?i)(?:((?:account[_.]?key|accountkey|connection[_.]?string|sas[_.]?token|client[_.]?secret"
-    r"|secret[_.]?access[_.]?key|session[_.]?token|private[_.]?key|sharedaccesssignature|secret"
+    r"(?i)(?:((?:account[_.-]?key|accountkey|connection[_.-]?string|sas[_.-]?token|client[_.-]?secret"
+    r"|secret[_.-]?access[_.-]?key|session[_.-]?token|private[_.-]?key|sharedaccesssignature|secret"
     r"|token|password|credentials?|sig|(?<=['\x22])key(?=\\*['\x22]))\\*['\x22]?\s*[:=]\s*\\*['\x22]?)"
     r"[^'\x22\\;&,}\s]+"
     r"|-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z ]*PRIVATE KEY-----)"
@@ -201,6 +202,16 @@ def configure(options: Mapping[str, Any] | None) -> StorageOptions | None:
     global _configured
     _configured = as_options(options, "Job.storage_options")
     return _configured
+
+
+def in_effect(own: Mapping[str, Any] | None = None) -> StorageOptions | None:
+    """The whole mapping that applies in this process: ``own``, else the job's, else
+    ``ONCEFLOW_STORAGE_OPTIONS`` (what a sink ships to its executors, which have no job, when
+    the URLs it will reach are not known yet)."""
+    for candidate in (own, _configured, as_options(os.environ.get(ENV) or None, ENV)):
+        if candidate:
+            return StorageOptions(candidate)
+    return None
 
 
 def normalize_url(url: str) -> str:

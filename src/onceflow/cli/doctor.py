@@ -79,7 +79,9 @@ def _list_guarantees() -> None:
 @click.option("--iceberg", "iceberg", nargs=2, metavar="CATALOG TABLE", default=None,
               help="Check an Iceberg catalog (sqlite:///path/catalog.db, postgresql+psycopg://..., or a "
                    "JSON object of pyiceberg properties) and table (namespace.name) for the Iceberg sink.")
-@click.option("--warehouse", default=None, help="With --iceberg and a PostgreSQL catalog: its warehouse.")
+@click.option("--warehouse", default=None,
+              help="With --iceberg: the catalog's warehouse (required for PostgreSQL; an object-store URL "
+                   "is read with ONCEFLOW_STORAGE_OPTIONS, as the sink reads it).")
 @click.option("--resolve", is_flag=True,
               help="With --postgres: commit decided / roll back undecided onceflow prepared transactions.")
 @click.option("--timeout", default=20.0, show_default=True, metavar="SECONDS",

@@ -17,6 +17,7 @@ from typing import Any
 
 from onceflow.errors import OnceflowError
 from onceflow.sinks.iceberg import catalog as catalogs
+from onceflow.sinks.iceberg.fileio import with_storage
 from onceflow.sinks.iceberg.state import BATCH, LINEAGE, SINK, lineage_state
 from onceflow.sinks.iceberg.upsert import OUTPUTS
 
@@ -49,8 +50,10 @@ def lineages(metadata: Any) -> dict[tuple[str, str], dict[str, Any]]:
 
 
 def doctor(catalog: str | Mapping[str, Any], table: str, warehouse: str | None = None,
-           catalog_name: str = "onceflow") -> list[CheckResult]:
-    """The checks, in order; the first failing one ends the list (nothing after it can run)."""
+           catalog_name: str = "onceflow", storage_options: Mapping[str, Any] | None = None) -> list[CheckResult]:
+    """The checks, in order; the first failing one ends the list (nothing after it can run).
+    An object-store warehouse is read with ``storage_options`` (default:
+    ``ONCEFLOW_STORAGE_OPTIONS``), as the sink reads it."""
     if isinstance(catalog, str) and catalog.strip().startswith("{"):
         try:
             catalog = json.loads(catalog)
@@ -62,7 +65,7 @@ def doctor(catalog: str | Mapping[str, Any], table: str, warehouse: str | None =
             return [CheckResult("catalog", False, f"no SQLite catalog at {db} (the sink creates it when its "
                                 "query starts)")]
     try:
-        spec = catalogs.catalog_spec(catalog, warehouse, catalog_name)
+        spec = with_storage(catalogs.catalog_spec(catalog, warehouse, catalog_name), storage_options)
         cat = catalogs.load(spec)
     except OnceflowError as e:
         return [CheckResult("catalog", False, str(e))]

@@ -10,8 +10,9 @@ from typing import Any, Literal
 from onceflow.errors import ConfigError
 from onceflow.sinks.base import Sink
 from onceflow.sinks.iceberg.catalog import catalog_spec
+from onceflow.sinks.iceberg.fileio import with_storage
 from onceflow.sinks.upserts import check_fields, wire_options, with_delete_flag
-from onceflow.storage import as_options
+from onceflow.storage import as_options, in_effect
 
 
 @dataclass
@@ -24,7 +25,10 @@ class IcebergSink(Sink):
     ``namespace.name``, created from the stream's schema when the job starts if missing.
     ``warehouse``: where new tables' files go (SQLite default: ``warehouse/`` beside the
     database; required for PostgreSQL). ``sink_id`` distinguishes two Iceberg sinks of one job
-    writing the same table. ``mode``: ``append`` (the only output mode). Every driver and
+    writing the same table. ``storage_options``: object-store options for the warehouse (as
+    for ``DeltaSink``; default: the job's, else ``ONCEFLOW_STORAGE_OPTIONS``), used by the
+    tasks' fsspec writes and, translated to ``s3.*``/``adls.*`` properties, by pyiceberg's
+    FileIO (catalog properties you give win). ``mode``: ``append`` (the only output mode). Every driver and
     executor must reach the catalog and the warehouse.
     ``write``: ``append`` (default) or ``upsert``: each batch is one snapshot replacing the rows
     of its ``keys`` (the last event per key in the batch wins: the largest ``order_by`` value,
@@ -48,12 +52,15 @@ class IcebergSink(Sink):
     format_name = "onceflow-iceberg"
 
     def __post_init__(self) -> None:
-        catalog_spec(self.catalog, self.warehouse, self.catalog_name)  # ConfigError early
+        if isinstance(self.catalog, Mapping):  # its repr hides s3.secret-access-key and the like
+            self.catalog = as_options(self.catalog, "IcebergSink.catalog")
         if self.mode not in (None, "append"):
             raise ConfigError(f"IcebergSink.mode={self.mode!r} is not supported; use 'append' (complete "
                               "is not implemented; for upserts give write='upsert' and keys)")
         self.keys = check_fields("IcebergSink", self.write, self.keys, self.delete_when, self.order_by)
         self.storage_options = as_options(self.storage_options, "IcebergSink.storage_options")
+        with_storage(catalog_spec(self.catalog, self.warehouse, self.catalog_name),
+                     self.storage_options)  # ConfigError early: the catalog, options pyiceberg cannot take
 
     def options(self) -> dict[str, str]:
         catalog = self.catalog if isinstance(self.catalog, str) else json.dumps(dict(self.catalog))
@@ -63,8 +70,9 @@ class IcebergSink(Sink):
             opts["warehouse"] = str(self.warehouse)
         if self.mode:
             opts["mode"] = self.mode
-        if self.storage_options:
-            opts["storage_options"] = json.dumps(dict(self.storage_options))
+        shipped = in_effect(self.storage_options)  # executors have no job: its options travel along
+        if shipped:
+            opts["storage_options"] = json.dumps(dict(shipped))
         opts.update(wire_options(self.write, self.keys, self.order_by, self.delete_when))
         return opts
 

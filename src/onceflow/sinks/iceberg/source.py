@@ -64,6 +64,7 @@ from onceflow.sinks.files import (
     to_arrow_schema,
 )
 from onceflow.sinks.iceberg import catalog as catalogs
+from onceflow.sinks.iceberg.fileio import with_storage
 from onceflow.sinks.iceberg.state import (
     FILES,
     FINGERPRINT,
@@ -127,7 +128,9 @@ class IcebergDataSource(TwoPhaseCommitSink):
         "delete_column": "upsert: a boolean column; a winning event where it is true deletes the key "
                          "(never written; IcebergSink(delete_when=...) computes it)",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
-        "storage_options": "JSON object of fsspec options for the tasks' file writes (default: the job's)",
+        "storage_options": "JSON object of object-store options (fsspec or delta-rs keys) for the tasks' "
+                           "files and, translated to s3.*/adls.* properties, pyiceberg's FileIO "
+                           "(default: the job's)",
     }
 
     def __init__(self, options):
@@ -139,8 +142,6 @@ class IcebergDataSource(TwoPhaseCommitSink):
                 catalog = json.loads(raw)
             except ValueError as e:
                 raise ConfigError(f"onceflow-iceberg: option catalog is not valid JSON: {e}") from None
-        self.spec = catalogs.catalog_spec(catalog, self.opts.get("warehouse") or None,
-                                          self.opts.get("catalog_name") or "onceflow")
         self.identifier = self.opts["table"].strip()
         if "." not in self.identifier:
             raise ConfigError(f"onceflow-iceberg: table={self.identifier!r}; give namespace.name, "
@@ -153,6 +154,10 @@ class IcebergDataSource(TwoPhaseCommitSink):
         self.upsert = UpsertSpec.from_options(self.opts)
         self.storage_options = as_options(self.opts.get("storage_options") or None,
                                           "onceflow-iceberg: option storage_options")
+        # pyiceberg's FileIO gets the same store options as the tasks' fsspec writes
+        self.spec = with_storage(catalogs.catalog_spec(catalog, self.opts.get("warehouse") or None,
+                                                       self.opts.get("catalog_name") or "onceflow"),
+                                 self.storage_options)
         try:
             self.row_group_rows = int(self.opts.get("row_group_rows", 1_000_000))
         except ValueError:
