@@ -40,9 +40,10 @@ def test_checker_counts_corrupted_payloads():
 
 @pytest.mark.parametrize("sink, faults", [
     ("delta", ["driver_kill", "jvm_kill", "zombie"]),
-    # the JVM write path: a JVM killed under its foreachBatch, a zombie paused in it (the
-    # standby takeover after a driver kill is the same runtime code as above)
-    ("delta-jvm", ["jvm_kill", "zombie"]),
+    # the JVM write path: a JVM killed under its foreachBatch (the standby takeover after a
+    # driver kill is the same runtime code as above; a zombie paused in the JVM path is the
+    # conformance suite's zombie chain, test_zombie_drivers_are_fenced[delta-jvm])
+    ("delta-jvm", ["jvm_kill"]),
 ], ids=["delta", "delta-jvm"])
 def test_delta_survives_driver_kill_jvm_kill_and_a_zombie(tmp_path, sink, faults):
     # --any-time: each fault as soon as the job commits again (no wait for a warm standby);
@@ -54,8 +55,8 @@ def test_delta_survives_driver_kill_jvm_kill_and_a_zombie(tmp_path, sink, faults
     assert report["verdict"] == "exactly-once" and report["duplicates"] == report["missing"] == 0
     kinds = sorted(f["kind"] for f in report["fault_log"])
     assert kinds == faults, out[-3000:]
-    zombie = next(f for f in report["fault_log"] if f["kind"] == "zombie")
-    assert "successor committed" in zombie["detail"] and "zombie exit 5" in zombie["detail"]
+    for zombie in (f for f in report["fault_log"] if f["kind"] == "zombie"):
+        assert "successor committed" in zombie["detail"] and "zombie exit 5" in zombie["detail"]
     assert (tmp_path / "run" / "verify.png").stat().st_size > 10_000
     # the kills were taken over by the warm standby: promoted standbys started runners
     log = tmp_path / "run" / "checkpoint" / "_onceflow" / "events.jsonl"
