@@ -30,6 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kafka_broker import KafkaBroker  # noqa: E402
 from pg_cluster import OS_USER, PG_BIN, PgCluster  # noqa: E402
 
+#: seconds of stream a fault of these kinds takes beyond --events-per-fault (hold + recovery)
+SLOW_S = {"clock_skew": 60, "container_restart": 45, "store_outage": 40, "net_partition": 40, "lost_reply": 25,
+          "pg_down": 40, "broker_restart": 40, "disk_full": 40, "concurrent_writer": 25}
 OUTAGE_S = 13.0  # pg_down must outlast the verify job's 10 s commit deadline
 
 PROCESS = ["driver_kill", "jvm_kill", "worker_kill", "zombie", "slow_sink", "container_restart", "clock_skew"]
@@ -85,7 +88,12 @@ def main() -> None:
             n = int(count or args.faults_per_run)
             # The sequence clock only runs while a driver runs; a Kafka topic is read at --rate per
             # batch whatever happens, so it keeps verify's default (15 s of --rate per fault).
-            events = [] if source == "kafka" else ["--events", str(20 * args.rate + n * args.events_per_fault)]
+            # Faults that outlast a lease (a skewed clock held, a restarted container's cold start, a
+            # store or network outage) need their own seconds of stream: 2026-11-27's campaign with
+            # 40,000 events per fault at 4,000/s injected only 4-10 of 12-15 such faults.
+            per_fault = [max(args.events_per_fault, args.rate * SLOW_S.get(k, 0)) for k in faults]
+            need = sum(per_fault[i % len(faults)] for i in range(n))
+            events = [] if source == "kafka" else ["--events", str(20 * args.rate + need)]
             tag = name + (f"-{kinds.replace('+', '-')}" if kinds else "")
             report = os.path.join(out, f"{tag}.json")
             cmd = [sys.executable, "-m", "onceflow", "verify", "--source", source, "--sink", sink,
