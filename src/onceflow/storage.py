@@ -247,7 +247,8 @@ def resolve(url: str, own: Mapping[str, Any] | None = None) -> dict[str, Any]:
     return {}
 
 
-def _get(d: Mapping[str, Any], dotted: str) -> Any:
+def get_dotted(d: Mapping[str, Any], dotted: str) -> Any:
+    """``d["a"]["b"]`` for ``"a.b"``; None where a level is missing."""
     for part in dotted.split("."):
         if not isinstance(d, Mapping) or part not in d:
             return None
@@ -273,7 +274,7 @@ def fsspec_options(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: (dict(v) if isinstance(v, Mapping) else v) for k, v in out.items()}
     for fs_key, delta_key in _KEYS.get(scheme, ()):
         value = _delta_value(options, delta_key)
-        if value is None or _get(out, fs_key) is not None:
+        if value is None or get_dotted(out, fs_key) is not None:
             continue
         if delta_key == "AWS_SKIP_SIGNATURE":
             value = str(value).lower() == "true"
@@ -294,7 +295,7 @@ def delta_options(url: str, options: Mapping[str, Any]) -> dict[str, str]:
         return {}
     out = {k: v for k, v in options.items() if _is_delta_key(k)}
     for fs_key, delta_key in _KEYS.get(scheme, ()):
-        value = _get(options, fs_key)
+        value = get_dotted(options, fs_key)
         if value is not None and _delta_value(out, delta_key) is None:
             out[delta_key] = value
     endpoint = _delta_value(out, "AWS_ENDPOINT_URL")

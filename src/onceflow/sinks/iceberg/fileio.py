@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from onceflow.errors import ConfigError
-from onceflow.storage import as_options, fsspec_options, resolve, scheme_of
+from onceflow.storage import as_options, fsspec_options, get_dotted, resolve, scheme_of
 
 #: s3fs option (dotted: nested) -> pyiceberg property (the ``client.*`` alias it has, if any)
 _S3 = (("key", "s3.access-key-id", "client.access-key-id"),
@@ -51,14 +51,6 @@ _REFUSED = {
 }
 
 
-def _get(d: Mapping[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(d, Mapping) or part not in d:
-            return None
-        d = d[part]
-    return d
-
-
 def _text(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -81,7 +73,7 @@ def file_io_properties(url: str, options: Mapping[str, Any],
                               f"files with it); {instead}")
     out: dict[str, str] = {}
     for option, prop, alias in _KEYS.get(scheme, ()):
-        value = _get(fs, option)
+        value = get_dotted(fs, option)
         if value is None or prop in out or prop in given or (alias and alias in given):
             continue
         out[prop] = _text(value)
