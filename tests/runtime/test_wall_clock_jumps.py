@@ -1,5 +1,6 @@
 """The runner's idle and batch timers run on the monotonic clock: a wall clock that jumps by
-minutes (NTP step, VM resume, a skewed host) neither ends a job as "idle" nor times out a batch.
+minutes (NTP step, VM resume, a skewed host) neither ends a job as "idle" nor times out a batch,
+and a step back does not stall the job for the step's length.
 
 Found while building ``onceflow verify``'s clock_skew fault, by reading the runner (no verify
 run has shown it yet): ``stop_when_idle`` and ``batch_timeout_s`` compared ``time.time()``
@@ -10,12 +11,22 @@ timed the batch out.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import types
 
+import pytest
+
+from onceflow.checkpoint.eventlog import EventLog
 from onceflow.runtime import runner as runner_mod
 from onceflow.runtime.runner import JobRunner
+from onceflow.verify.clock import faketime_env, libfaketime, set_offset, sleep_shim
 
 
 class _IdleQuery:
@@ -51,7 +62,8 @@ class _Clock:
 def _runner(idle_s: float, batch_timeout_s: float | None) -> JobRunner:
     r = JobRunner.__new__(JobRunner)
     r.job = types.SimpleNamespace(name="j", stop_when_idle=idle_s,
-                                  checkpoint=types.SimpleNamespace(batch_timeout_s=batch_timeout_s))
+                                  checkpoint=types.SimpleNamespace(batch_timeout_s=batch_timeout_s,
+                                                                   interval_s=1.0))
     r.stop = threading.Event()
     r.events = types.SimpleNamespace(append=lambda *a, **k: None)
     return r
@@ -103,3 +115,68 @@ def test_a_wall_clock_jump_does_not_time_out_a_running_batch(monkeypatch):
     r.stop.set()
     t.join(5)
     assert query.stopped.is_set() and not errors
+
+
+JOB = textwrap.dedent(
+    """
+    import os
+    from onceflow import CheckpointConfig, DeltaSink, Job, no_restart
+
+    def source(spark):
+        return (spark.readStream.format("onceflow-sequence").option("total", 10**9)
+                .option("rows_per_second", 200).option("max_rows_per_batch", 400).load())
+
+    job = Job(name="clock", source=source, sink=DeltaSink(os.environ["WORK"] + "/table"),
+              checkpoint=CheckpointConfig(os.environ["WORK"] + "/ckpt", interval="1 s"),
+              restart_strategy=no_restart(), master="local[1]",
+              spark_conf={"spark.sql.shuffle.partitions": "1"})
+    """
+)
+
+
+def _commits(work) -> list[dict]:
+    return [e for e in EventLog(str(work / "ckpt")).read() if e["event"] == "sink_commit" and e["rows"]]
+
+
+@pytest.mark.skipif(libfaketime() is None or shutil.which("cc") is None,
+                    reason="needs libfaketime (apt-get install faketime) and a C compiler")
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_wall_clock_step_back_does_not_stall_the_job(tmp_path):
+    """Spark's processing-time trigger waits for a wall-clock instant: after the host clock
+    stepped back 120 s, the query waited 120 s before its next batch (found by ``onceflow verify
+    --faults clock_skew`` in CI: no batch committed for the whole 15 s skew). The runner sees
+    the step on its monotonic clock and restarts the query: batches go on within seconds."""
+    (tmp_path / "job.py").write_text(JOB)
+    sleep_shim(str(tmp_path))
+    clock = str(tmp_path / "faketime")
+    set_offset(clock, 0)
+    env = {**os.environ, "WORK": str(tmp_path), **faketime_env(clock)}
+    log = tmp_path / "run.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", str(tmp_path / "job.py")],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while len(_commits(tmp_path)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.3)
+        set_offset(clock, -120)  # the host clock steps back two minutes and stays there
+        stepped, before = time.monotonic(), len(_commits(tmp_path))
+        time.sleep(2.5)  # every process sees the step (libfaketime re-reads the file each second)
+        seen = len(_commits(tmp_path))
+        while len(_commits(tmp_path)) < seen + 3 and time.monotonic() - stepped < 60:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.3)
+        waited = time.monotonic() - stepped
+        assert len(_commits(tmp_path)) >= seen + 3, (
+            f"3 batches took longer than {waited:.0f} s after the clock stepped back 120 s "
+            f"({before} committed before the step)\n" + log.read_text()[-2000:])
+        assert waited < 30, f"3 batches took {waited:.0f} s after the step"
+        steps = [e for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "clock_step"]
+        assert steps and steps[0]["back_s"] >= 100, steps
+        assert "wall clock stepped back" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)

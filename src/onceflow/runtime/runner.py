@@ -52,6 +52,10 @@ log = logging.getLogger("onceflow.runner")
 # Held while one job sets the session conf its source reads and builds that source.
 _SOURCE_LOCK = threading.Lock()
 
+#: a wall-clock step back longer than this (seconds) restarts the query: Spark's
+#: processing-time trigger would otherwise wait out the step (a restart costs about this much)
+CLOCK_STEP_S = 5.0
+
 
 class BatchTimeout(OnceflowError):
     """A batch ran longer than CheckpointConfig.batch_timeout."""
@@ -337,18 +341,32 @@ class JobRunner:
         t2 = time.time()
         self.events.append("sink_open", sink=job_sink_name(source), lineage=lineage, epoch=epoch,
                            open_s=round(t2 - t1, 3))
-        with query_conf(spark, self.url):
-            query = writer.option("epoch", str(epoch)).start()
-        self._query_started = True
-        self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
-                        "query_start_s": round(time.time() - t2, 3)}
-        try:
-            self._monitor(query, started)
-        finally:
-            _stop_quietly(query)
+        while True:
+            with query_conf(spark, self.url):
+                query = writer.option("epoch", str(epoch)).start()
+            self._query_started = True
+            self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
+                            "query_start_s": round(time.time() - t2, 3)}
+            try:
+                stepped = self._monitor(query, started)
+            finally:
+                _stop_quietly(query)
+            if stepped is None:
+                return
+            # Spark's processing-time trigger waits for a wall-clock instant: after the clock
+            # stepped back it would wait that long. A new query plans from the clock as it is now.
+            log.warning("the host's wall clock stepped back %.0f s; restarted the query so its trigger "
+                        "does not wait that long (the batch in flight, if any, is replayed)", stepped)
+            self.events.append("clock_step", back_s=round(stepped, 1), epoch=epoch)
+            t2 = time.time()
 
-    def _monitor(self, query, started: float) -> None:
+    def _monitor(self, query, started: float) -> float | None:
+        """Watch the query until it ends or must stop (None), or until the wall clock stepped
+        back by more than :data:`CLOCK_STEP_S` while its processing-time trigger waits:
+        returns the step (seconds) for the caller to restart the query."""
         job, cfg = self.job, self.job.checkpoint
+        wall = time.time() - time.monotonic()  # the wall clock's offset from the monotonic one
+        stepped = 0.0
         seen = -1
         recovered = False
         active_since: float | None = None
@@ -379,6 +397,10 @@ class JobRunner:
             status = query.status
             now = time.monotonic()  # idle and batch timers: a wall clock may jump by minutes
             active = bool(status.get("isTriggerActive"))
+            offset = time.time() - now
+            stepped, wall = max(0.0, stepped + wall - offset), offset  # back: +, forward: -
+            if stepped > CLOCK_STEP_S and cfg.interval_s > 0 and not active and not self.stop.is_set():
+                return stepped  # the trigger now waits for a wall-clock instant `stepped` s away
             active_since = (active_since or now) if active else None
             # Idle = no batch ran and the source reported no data since idle_since. A trigger
             # that is only asking the source for offsets (slow for Kafka) does not reset it.
