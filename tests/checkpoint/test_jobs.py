@@ -82,3 +82,19 @@ def test_a_supervisor_waiting_to_restart_is_restarting_and_lag_is_read_from_batc
         sup.kill()
         sup.wait()
     assert job_status(str(ckpt)).state == "failed"  # the supervisor vanished without a stop
+
+
+def test_kinesis_lag_in_seconds_is_the_largest_shards(tmp_path):
+    """A batch event with ``lag_ms`` per stream and shard (Kinesis) lists the largest shard's
+    lag in seconds; ``onceflow list`` shows it with its unit."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "commits").mkdir(parents=True)
+    (ckpt / "commits" / "0").write_text("v1\n{}\n")
+    _log(ckpt, {"event": "start", "job": "k"},
+         {"event": "batch", "batch": 0, "lag_ms": {"orders": {"shardId-0": 2500, "shardId-1": 0}}},
+         {"event": "stop", "job": "k", "reason": "finished"})
+    status = job_status(str(ckpt))
+    assert status.lag is None and status.lag_s == 2.5
+    out = subprocess.run([sys.executable, "-m", "onceflow", "list", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert out.returncode == 0 and "2.5 s" in out.stdout, out.stdout + out.stderr

@@ -26,6 +26,7 @@ import pytest
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.runtime import runner as runner_mod
 from onceflow.runtime.runner import JobRunner
+from onceflow.verify import procs
 from onceflow.verify.clock import faketime_env, libfaketime, set_offset, sleep_shim
 
 
@@ -176,7 +177,6 @@ def test_a_wall_clock_step_back_does_not_stall_the_job(tmp_path):
         steps = [e for e in EventLog(str(tmp_path / "ckpt")).read() if e["event"] == "clock_step"]
         assert steps and steps[0]["back_s"] >= 100, steps
         assert "wall clock stepped back" in log.read_text()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+    finally:  # the supervisor, and the driver in its own process group with its JVM
+        procs.signal_all([*procs.tree(proc.pid), *procs.with_env("WORK", str(tmp_path))], signal.SIGKILL)
+        proc.wait(timeout=30)

@@ -435,3 +435,35 @@ def test_kinesis_to_postgres_exactly_once_through_random_driver_sigkills(kinesal
     assert restarts == ["killed by SIGKILL"] * 2, text[-3000:]
     assert_exactly_once(kinesis_pg, table, range(total))
     assert "test-secret-value" not in text and kinesis_pg.password not in text
+
+
+def test_lag_per_shard_is_in_the_progress_and_the_metrics(spark, kinesalite, stream_name, tmp_path):
+    """Issue 31: Kinesis lag per shard. A batch capped by maxRecordsPerTrigger ends behind the
+    tip by the age of its last record; one that reads to the tip ends 0 ms behind. Spark's
+    progress carries it (the reader's reportLatestOffset), and the runner's parsing, the
+    metrics state and ``onceflow list`` read it from there. Before: reportLatestOffset was None
+    and Kinesis had no lag anywhere."""
+    from onceflow.runtime import metrics
+
+    k = kinesalite
+    k.create_stream(stream_name, 2)
+    put_ids(k, stream_name, range(400))
+    time.sleep(2.0)  # the records are 2 s old when the capped batches plan them
+    df = KinesisSource(stream_name, starting_position="TRIM_HORIZON", max_records_per_trigger=100,
+                       **k.source_options()).load(spark)
+    q = df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "cp")).start()
+    try:
+        q.processAllAvailable()
+        lags = [metrics.source_lag_ms(p) for p in q.recentProgress if p.numInputRows]
+    finally:
+        q.stop()
+    assert len(lags) >= 4, lags
+    shards = set(lags[0][stream_name])
+    assert len(shards) == 2 and all(set(lag[stream_name]) == shards for lag in lags), lags
+    assert min(lags[0][stream_name].values()) >= 1500, lags[0]  # capped: 2 s behind
+    assert set(lags[-1][stream_name].values()) == {0}, lags[-1]  # the last batch read to the tip
+    m = metrics.JobMetrics("j")
+    m.apply({"event": "batch", "batch": 3, "lag_ms": lags[0]})
+    assert {shard for (_, shard) in m.lag_ms} == shards
+    family = next(f for f in list(metrics.Collector(m).collect()) if f.name == "onceflow_source_lag_seconds")
+    assert min(s.value for s in family.samples) >= 1.5

@@ -13,8 +13,9 @@ A job is a checkpoint directory: one holding Spark's ``metadata`` or onceflow's
   on stop that failed, or a driver or supervisor that vanished without a ``stop`` event), else
   **stopped** (finished, or stopped on request).
 
-Lag is shown where the source reports it: a ``lag`` figure (a number, or one per
-partition/shard) in the last ``batch`` event; else None.
+Lag is shown where the source reports it: a ``lag`` figure in records (a number, or one per
+partition/shard) in the last ``batch`` event, or ``lag_ms`` per stream and shard (Kinesis:
+the largest, in seconds); else None.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class JobStatus:
     holder_epoch: int | None = None
     last_batch: int | None = None
     last_batch_ts: float | None = None  #: when it was committed (event log, else file time)
-    lag: float | None = None  #: source lag of the last batch, where the source reports it
+    lag: float | None = None  #: source lag of the last batch in records, where the source reports it
+    lag_s: float | None = None  #: or in seconds behind the tip (Kinesis: the largest shard's)
 
     def age_s(self, now: float | None = None) -> float | None:
         if self.last_batch_ts is None:
@@ -183,6 +185,8 @@ def job_status(url: str, now: float | None = None) -> JobStatus:
         event = batches.get(committed)
         if event is not None:
             status.last_batch_ts, status.lag = event.get("ts"), _lag(event)
+            ms = [v for v in _leaves(event.get("lag_ms") or {}) if isinstance(v, (int, float))]
+            status.lag_s = max(ms) / 1000 if ms else None
         else:
             try:
                 status.last_batch_ts = float(ckpt.fs.modified(ckpt._p("commits", str(committed))).timestamp())

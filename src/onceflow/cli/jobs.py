@@ -50,5 +50,11 @@ def list_(root: str, depth: int, as_json: bool) -> None:
         holder = "-" if j.holder_pid is None else f"{j.holder_host} {j.holder_pid} e{j.holder_epoch}"
         state = f"[{colors[j.state]}]{j.state}[/]" if j.state in colors else j.state
         table.add_row(j.name, state, holder, "-" if j.last_batch is None else str(j.last_batch),
-                      _age(j.age_s(now)), "-" if j.lag is None else f"{j.lag:g}", j.checkpoint)
+                      _age(j.age_s(now)), _lag(j), j.checkpoint)
     Console(width=200).print(table)
+
+
+def _lag(j) -> str:
+    if j.lag is not None:
+        return f"{j.lag:g}"
+    return "-" if j.lag_s is None else f"{j.lag_s:.1f} s"

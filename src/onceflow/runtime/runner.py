@@ -453,14 +453,16 @@ class JobRunner:
         return seen, new
 
     def _state_and_lag(self, p) -> dict:
-        """The batch event's ``lag`` (per topic and partition, where the source reports its
-        latest offsets) and ``state`` per operator: keys, in-memory estimate and bytes on the
+        """The batch event's ``lag`` (records per topic and partition, where the source reports
+        its latest offsets), ``lag_ms`` (per stream and shard: Kinesis) and ``state`` per operator: keys, in-memory estimate and bytes on the
         checkpoint (``state_bytes``: all operators; measured at most every N seconds, for the
         batch named in ``state_batch``)."""
         out: dict = {}
-        lag = metrics.source_lag(p)
+        lag, lag_ms = metrics.source_lag(p), metrics.source_lag_ms(p)
         if lag:
             out["lag"] = lag
+        if lag_ms:
+            out["lag_ms"] = lag_ms
         ops = metrics.state_operators(p)
         if ops:
             measured, on_ckpt = self._state_size.after(p.batchId)

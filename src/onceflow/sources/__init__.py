@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KafkaSource", "KinesisSource"]
+__all__ = ["LAG_MS_KEY", "KafkaSource", "KinesisSource"]
+
+#: the key of a source's ``reportLatestOffset`` that carries its lag in milliseconds per stream
+#: and shard (sources whose positions are not numbers: Kinesis), read by the runner's metrics
+LAG_MS_KEY = "lagMillis"
 
 
 def __getattr__(name: str) -> Any:

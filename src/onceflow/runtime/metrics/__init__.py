@@ -27,12 +27,14 @@ from onceflow.runtime.metrics.progress import (
     StateSize,
     checkpoint_state_bytes,
     source_lag,
+    source_lag_ms,
     state_operators,
 )
 from onceflow.runtime.metrics.state import JobMetrics
 
 __all__ = ["PORT_ENV", "Collector", "Follower", "JobMetrics", "ObservedEventLog", "StateSize",
-           "checkpoint_state_bytes", "event_log", "serve", "source_lag", "state_operators"]
+           "checkpoint_state_bytes", "event_log", "serve", "source_lag", "source_lag_ms",
+           "state_operators"]
 
 PORT_ENV = "ONCEFLOW_METRICS_PORT"
 

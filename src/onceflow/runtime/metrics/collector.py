@@ -84,6 +84,12 @@ class Collector:
         for (topic, part), n in sorted(m.lag.items()):
             lag.add_metric([m.job, topic, part], n)
         yield lag
+        behind = GaugeMetricFamily("onceflow_source_lag_seconds", "seconds the last batch ends behind the "
+                                   "source's tip, per stream and shard (Kinesis: 0 at the tip, else the "
+                                   "age of the last record planned)", labels=["job_name", "stream", "shard"])
+        for (stream, shard), ms in sorted(m.lag_ms.items()):
+            behind.add_metric([m.job, stream, shard], ms / 1000)
+        yield behind
         on_ckpt = GaugeMetricFamily("onceflow_state_checkpoint_bytes", "state bytes on the checkpoint per "
                                     "operator (files Spark reads to load the last measured version)",
                                     labels=["job_name", "operator", "name"])

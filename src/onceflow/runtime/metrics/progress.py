@@ -12,6 +12,7 @@ from typing import Any
 
 from onceflow.checkpoint.layout import CheckpointDir
 from onceflow.settings import setting
+from onceflow.sources import LAG_MS_KEY
 from onceflow.storage import is_local
 
 log = logging.getLogger("onceflow.metrics")
@@ -47,12 +48,26 @@ def source_lag(progress: Any) -> dict[str, dict[str, int]] | None:
         if not end or not latest:
             continue
         for topic, parts in latest.items():
-            if not isinstance(parts, dict):
+            if not isinstance(parts, dict) or topic == LAG_MS_KEY:
                 continue
             for p, hi in parts.items():
                 lo = (end.get(topic) or {}).get(p) if isinstance(end.get(topic), dict) else None
                 if isinstance(hi, int) and isinstance(lo, int) and hi >= 0 and lo >= 0:
                     out.setdefault(str(topic), {})[str(p)] = max(0, hi - lo)
+    return out or None
+
+
+def source_lag_ms(progress: Any) -> dict[str, dict[str, int]] | None:
+    """Milliseconds behind per stream and shard, for sources that report it under
+    :data:`~onceflow.sources.LAG_MS_KEY` in their latest offset (Kinesis: how far each shard's
+    planned end is behind its tip). None when no source does."""
+    out: dict[str, dict[str, int]] = {}
+    for s in _get(progress, "sources") or []:
+        lag = (_offsets(_get(s, "latestOffset")) or {}).get(LAG_MS_KEY)
+        for stream, shards in (lag.items() if isinstance(lag, dict) else []):
+            for shard, ms in (shards.items() if isinstance(shards, dict) else []):
+                if isinstance(ms, int) and ms >= 0:
+                    out.setdefault(str(stream), {})[str(shard)] = ms
     return out or None
 
 

@@ -74,6 +74,7 @@ class JobMetrics:
         self.batch_seconds = Histogram(BATCH_BUCKETS)
         self.commit_seconds = Histogram(COMMIT_BUCKETS)
         self.lag: dict[tuple[str, str], int] = {}  # (topic or stream, partition or shard) -> records
+        self.lag_ms: dict[tuple[str, str], int] = {}  # (stream, shard) -> ms behind the tip
         self.operators: dict[int, Operator] = {}
         self.state_bytes: int | None = None  # all operators, bytes on the checkpoint
         self._batch_rows: dict[int, int] = {}  # recent batches' input rows, for skipped replays
@@ -133,6 +134,9 @@ class JobMetrics:
         if isinstance(e.get("lag"), dict):
             self.lag = {(str(t), str(p)): int(n) for t, parts in e["lag"].items()
                         for p, n in (parts or {}).items()}
+        if isinstance(e.get("lag_ms"), dict):
+            self.lag_ms = {(str(t), str(p)): int(n) for t, parts in e["lag_ms"].items()
+                           for p, n in (parts or {}).items()}
         for op in e.get("state") or []:
             o = self.operators.setdefault(int(op.get("id", 0)), Operator())
             o.name = op.get("name") or o.name

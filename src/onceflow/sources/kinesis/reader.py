@@ -37,6 +37,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
+from onceflow.sources import LAG_MS_KEY
 from onceflow.sources.initial import kept_initial
 from onceflow.sources.kinesis.client import THROTTLED, describe
 from onceflow.sources.kinesis.fetch import KinesisInputPartition, read_range
@@ -85,6 +86,8 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._rotation = 0
         self._replaced: Positions = {}  # stale start -> TRIM_HORIZON (failOnDataLoss=false)
         self._lost: set[ShardKey] = set()  # shards reported lost across a reshard (once each)
+        #: per shard, ms the last planned batch ends behind the shard's tip (reportLatestOffset)
+        self._lag_ms: dict[ShardKey, int] = {}
 
     # -- shards -----------------------------------------------------------------------------
     def shards(self) -> dict[ShardKey, ShardInfo]:
@@ -154,6 +157,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             known = self._available_now[1]
             ready = [k for k in ready if k in known and k not in self._available_done]
         caps = self._caps(ready, limit)
+        self._lag_ms = {k: ms for k, ms in self._lag_ms.items() if k in found}
         for key in ready:
             end[key], at_tip = self._advance(found[key], self._checked(key, begin[key]), caps.get(key))
             if self._available_now is not None and at_tip:
@@ -247,6 +251,7 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if cap == 0:
             return position, False
         if cap is None and info.closed:
+            self._lag_ms[(info.stream, info.shard_id)] = 0
             return SHARD_END, True  # a closed shard's records are fixed: the executor reads them
         if self._arrow is None:
             from pyspark.sql.pandas.types import to_arrow_schema
@@ -262,7 +267,8 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 writer.add(records)
 
         try:
-            last, n, ended = read_ahead(self.s, info.stream, info.shard_id, position, cap, info.closed, keep)
+            last, n, ended, behind = read_ahead(self.s, info.stream, info.shard_id, position, cap, info.closed,
+                                                keep)
         except BaseException:
             if writer:
                 writer.abort()
@@ -279,10 +285,22 @@ class KinesisStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             writer.abort()
         at_tip = cap is None or n < cap or ended or (
             self._available_now is not None and newest[0] > self._available_now[0])
+        age = max(0, int((time.time() - newest[0]) * 1000)) if newest[0] else 0
+        self._lag_ms[(info.stream, info.shard_id)] = 0 if behind == 0 else max(behind, age)
         return end, at_tip
 
     def reportLatestOffset(self) -> dict | None:
-        return None
+        """Shown in Spark's progress as the source's ``latestOffset``: ``{"lagMillis": {stream:
+        {shard: ms}}}``, how far each shard's planned end is behind its tip: 0 when the batch
+        reads to the tip, otherwise Kinesis's MillisBehindLatest or the age of the last record
+        it planned (the iterator age, the driver's clock against ApproximateArrivalTimestamp),
+        whichever is larger."""
+        if not self._lag_ms:
+            return None
+        out: dict[str, dict[str, int]] = {}
+        for (stream, shard), ms in sorted(self._lag_ms.items()):
+            out.setdefault(stream, {})[shard] = ms
+        return {LAG_MS_KEY: out}
 
     def _report_throttled(self) -> None:
         n = THROTTLED.value

@@ -109,27 +109,34 @@ def responses(s: Settings, stream: str, shard: str, position: str, limit: int = 
 
 
 def read_ahead(s: Settings, stream: str, shard: str, position: str, cap: int | None,
-               closed: bool = False, on_records: Callable[[list], None] | None = None) -> tuple[str, int, bool]:
+               closed: bool = False, on_records: Callable[[list], None] | None = None
+               ) -> tuple[str, int, bool, int]:
     """Driver: read from ``position`` up to ``cap`` records (all, when None). Returns the last
-    sequence number read (``position`` when none), how many, and whether a closed shard's end
-    was reached. ``on_records`` receives the records read, in order (see spill.py)."""
+    sequence number read (``position`` when none), how many, whether a closed shard's end was
+    reached, and how far behind the tip the read stopped in ms (0: at the tip; -1: behind, by
+    an unknown amount: the cap left records of the last response unread). ``on_records``
+    receives the records read, in order (see spill.py)."""
     last, n = position, 0
     keep = on_records or (lambda records: None)
-    for out in responses(s, stream, shard, position, MAX_LIMIT if cap is None else min(MAX_LIMIT, cap),
+    # with a cap, ask for one record more than it takes: a response that holds it shows that
+    # the read stopped behind the tip (kinesalite's MillisBehindLatest is always 0)
+    for out in responses(s, stream, shard, position, MAX_LIMIT if cap is None else min(MAX_LIMIT, cap + 1),
                          closed=closed):
         records = out.get("Records", [])
+        behind = int(out.get("MillisBehindLatest") or 0)
         if cap is not None and n + len(records) >= cap:
+            more = n + len(records) > cap
             records = records[: cap - n]
             keep(records)
             if records:
                 last, n = records[-1]["SequenceNumber"], cap
-            return last, n, False
+            return last, n, False, behind or (-1 if more else 0)
         keep(records)
         if records:
             last, n = records[-1]["SequenceNumber"], n + len(records)
         if out.get("NextShardIterator") is None:
-            return last, n, True
-    return last, n, False
+            return last, n, True, 0
+    return last, n, False, 0
 
 
 def tail(s: Settings, stream: str, shard: str, position: str) -> str:
