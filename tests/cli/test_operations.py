@@ -18,16 +18,25 @@ from onceflow.checkpoint.layout import CheckpointDir
 
 JOB = textwrap.dedent(
     """
-    import json, logging, os, sys
+    import json, logging, os, sys, time
+    from pyspark.sql import functions as F
     from onceflow import CheckpointConfig, DeltaSink, Job
 
     with open(os.environ["WORK"] + "/argv.jsonl", "a") as f:  # every process that loads the file
         f.write(json.dumps({"pid": os.getpid(), "argv": sys.argv}) + "\\n")
     logging.getLogger("ops.job").debug("loaded with %s", sys.argv[1:])
 
+    SLOW = os.environ["WORK"] + "/slow"
+
+    def same(x):  # one second a row once the test makes batches slow
+        if os.path.exists(SLOW):
+            time.sleep(1)
+        return x
+
     job = Job(name="ops-job",
               source=lambda spark: spark.readStream.format("onceflow-sequence")
               .option("total", 10**9).option("rows_per_second", 200).load(),
+              transform=lambda df: df.withColumn("id", F.udf(same, "long")("id")),
               sink=DeltaSink(os.environ["WORK"] + "/table"),
               checkpoint=CheckpointConfig(os.environ["WORK"] + "/jobs/a/ckpt", interval=0))
     """
@@ -94,9 +103,17 @@ def test_args_list_and_cancel_on_a_running_job(tmp_path):
         r = onceflow("list", str(tmp_path))
         assert "ops-job" in r.stdout and "running" in r.stdout and f"{lines[1]['pid']} e1" in r.stdout
 
+        # cancel stops at once: the in-flight batch (a second per row now) is abandoned
+        (tmp_path / "slow").touch()
+        committed = ckpt.last_committed()
+        time.sleep(3)  # the next batch is under way, for minutes
+        t0 = time.monotonic()
         r = onceflow("cancel", ckpt.url, env=env)
+        cancelled_s = time.monotonic() - t0
         assert r.returncode == 0 and "cancelled supervisor pid" in r.stdout, r.stderr
         out, err = sup.communicate(timeout=60)
+        assert cancelled_s < 30, f"cancel waited {cancelled_s:.0f} s for the in-flight batch"
+        assert ckpt.last_committed() <= committed + 1  # at most the batch that was committing
     finally:
         if sup.poll() is None:
             sup.kill()

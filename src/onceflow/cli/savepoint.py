@@ -177,12 +177,13 @@ def stop(checkpoint_dir: str, target: str | None, timeout: float) -> None:
 @click.argument("checkpoint_dir")
 @click.option("--timeout", default=300.0, show_default=True, help="Seconds to wait for the stop.")
 def cancel(checkpoint_dir: str, timeout: float) -> None:
-    """Stop the job running on CHECKPOINT_DIR without a savepoint (Flink's 'cancel'), even
-    when 'onceflow run' would take one on SIGTERM. The in-flight batch still ends as a whole
-    (committed, or replayed by the next run): nothing is half-written either way."""
+    """Stop the job running on CHECKPOINT_DIR now, without a savepoint (Flink's 'cancel'), even
+    when 'onceflow run' would take one on SIGTERM. The in-flight batch's tasks are cancelled
+    and the batch is replayed by the next run (one already in its sink commit finishes it):
+    nothing is half-written either way."""
     from onceflow.checkpoint.layout import require_checkpoint
     from onceflow.savepoint.operations import stop_job
 
     _logging()
     require_checkpoint(checkpoint_dir)
-    click.echo(f"cancelled {stop_job(checkpoint_dir, timeout, savepoint=False)}")
+    click.echo(f"cancelled {stop_job(checkpoint_dir, timeout, savepoint=False, immediate=True)}")

@@ -40,7 +40,7 @@ from onceflow.errors import (
 from onceflow.outages import Stopped, short, wait_out
 from onceflow.runtime import metrics, scratch
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
-from onceflow.savepoint.operations import stop_requested
+from onceflow.savepoint.operations import cancel_requested, stop_requested
 from onceflow.settings import setting
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
@@ -412,17 +412,30 @@ class JobRunner:
                 query.stop()
                 raise RuntimeError(f"BatchTimeout: batch ran longer than {cfg.batch_timeout_s}s")
             if self.stop.is_set():
-                # Let the in-flight batch finish; stop before the next one gets far.
+                # Let the in-flight batch finish (unless cancelled); stop before the next one gets far.
                 if stop_after is None:
                     stop_after = seen
+                    if active and self._cancelled():
+                        log.info("cancelled: stopping the query now; its in-flight batch is replayed by "
+                                 "the next run")
+                        query.stop()
+                        return None
                 if not active or seen > stop_after:
                     query.stop()
-                    return
+                    return None
             if (job.stop_when_idle is not None and idle_since and not active
                     and now - idle_since >= job.stop_when_idle):
                 query.stop()
                 self._still_holder()
                 return
+
+    def _cancelled(self) -> bool:
+        """Whether the stop is ``onceflow cancel``'s (an unreadable request: a graceful stop)."""
+        try:
+            return cancel_requested(self.url)
+        except Exception as e:  # noqa: BLE001 - the checkpoint store erred: stop gracefully
+            log.warning("could not read the stop request of %s (%s); stopping after the batch", self.url, short(e))
+            return False
 
     def _still_holder(self) -> None:
         """FencedError if a newer driver took the lease: a driver that wakes from a pause to

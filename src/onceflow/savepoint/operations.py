@@ -156,13 +156,13 @@ def _live_supervisor(url: str, start: dict | None) -> int | None:
     return pid
 
 
-def _write_request(url: str, savepoint: bool, target: str | None) -> str:
+def _write_request(url: str, savepoint: bool, target: str | None, immediate: bool = False) -> str:
     """Leave the stop request for the driver; returns its id."""
     fs, path = url_to_fs(f"{url}/{STOP_REQUEST}")
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     rid = uuid.uuid4().hex
     write_whole(fs, path, json.dumps({"id": rid, "ts": round(time.time(), 3), "savepoint": savepoint,
-                                      "target": target}).encode())
+                                      "target": target, "immediate": immediate}).encode())
     return rid
 
 
@@ -179,6 +179,12 @@ def _read_request(checkpoint_url: str) -> tuple[dict | None, object, str]:
 def stop_requested(checkpoint_url: str) -> bool:
     """Whether ``onceflow stop`` left a request in the checkpoint (the driver polls this)."""
     return _read_request(checkpoint_url)[0] is not None
+
+
+def cancel_requested(checkpoint_url: str) -> bool:
+    """Whether the stop request is ``onceflow cancel``'s: stop now, the in-flight batch
+    abandoned (it is replayed by the next run), not after it."""
+    return bool((_read_request(checkpoint_url)[0] or {}).get("immediate"))
 
 
 def take_stop_request(checkpoint_url: str) -> dict | None:
@@ -207,8 +213,10 @@ def _drop_own_request(url: str, rid: str) -> None:
 
 
 def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
-             savepoint: bool = False, target: str | None = None) -> str:
-    """Stop the job running on ``checkpoint_url`` gracefully (the in-flight batch finishes).
+             savepoint: bool = False, target: str | None = None, immediate: bool = False) -> str:
+    """Stop the job running on ``checkpoint_url`` gracefully (the in-flight batch finishes), or
+    with ``immediate`` at once (``onceflow cancel``: the in-flight batch's tasks are cancelled
+    and the batch is replayed by the next run; a batch already in its sink commit finishes it).
 
     First it leaves a stop request in the checkpoint, saying whether to take a savepoint (at
     ``target`` or the driver's default); every driver polls for it about once a second, so this
@@ -242,9 +250,10 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
     if target and "://" not in target:
         target = os.path.abspath(target)  # the driver's working directory may differ
     asked = time.time()
-    rid = _write_request(url, savepoint, target)
+    rid = _write_request(url, savepoint, target, immediate)
     if pid is not None:
-        log.info("stopping %s of %s (SIGTERM; the in-flight batch finishes first)", what, url)
+        log.info("stopping %s of %s (SIGTERM; %s)", what, url,
+                 "the in-flight batch is abandoned" if immediate else "the in-flight batch finishes first")
         os.kill(pid, signal.SIGTERM)
     else:
         log.info("stopping %s of %s: left a stop request, which it picks up within about a second "
