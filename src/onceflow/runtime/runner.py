@@ -355,8 +355,8 @@ class JobRunner:
                 return
             # Spark's processing-time trigger waits for a wall-clock instant: after the clock
             # stepped back it would wait that long. A new query plans from the clock as it is now.
-            log.warning("the host's wall clock stepped back %.0f s; restarted the query so its trigger "
-                        "does not wait that long (the batch in flight, if any, is replayed)", stepped)
+            log.warning("the host's wall clock stepped back %.0f s; restarting the query between batches "
+                        "so that its trigger does not wait that long", stepped)
             self.events.append("clock_step", back_s=round(stepped, 1), epoch=epoch)
             t2 = time.time()
 
@@ -467,9 +467,9 @@ class JobRunner:
 
     def _state_and_lag(self, p) -> dict:
         """The batch event's ``lag`` (records per topic and partition, where the source reports
-        its latest offsets), ``lag_ms`` (per stream and shard: Kinesis) and ``state`` per operator: keys, in-memory estimate and bytes on the
-        checkpoint (``state_bytes``: all operators; measured at most every N seconds, for the
-        batch named in ``state_batch``)."""
+        its latest offsets), ``lag_ms`` (per stream and shard: Kinesis) and ``state`` per
+        operator: keys, in-memory estimate and bytes on the checkpoint (``state_bytes``: all
+        operators; measured at most every N seconds, for the batch named in ``state_batch``)."""
         out: dict = {}
         lag, lag_ms = metrics.source_lag(p), metrics.source_lag_ms(p)
         if lag:
