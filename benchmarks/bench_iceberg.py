@@ -9,7 +9,8 @@ first Python callback); best of R runs; every run's output is counted (the Icebe
 pyiceberg's scan), so a sink that dropped rows cannot win.
 
 The Iceberg sink runs as ``writeStream.format("onceflow-iceberg")`` on an SQLite catalog (tasks
-write Parquet with pyarrow; the driver commits one snapshot per batch with ``add_files``). The
+write Parquet with pyarrow; the driver commits one snapshot per batch with ``add_files``), with
+Iceberg's default codec (zstd) and with snappy, the codec Spark's Parquet sink writes. The
 Parquet sink runs as Spark runs it by default (the baseline) and with onceflow's checkpoint
 settings (``onceflow.spark.query_conf``, as a Job's query starts; the second ratio).
 """
@@ -30,7 +31,8 @@ PIPELINES = {
 #: label -> (format, whether the query starts with onceflow's checkpoint settings)
 SINKS = {"parquet (built-in file sink)": ("parquet", False),
          "parquet, onceflow's checkpoint settings": ("parquet", True),
-         "onceflow-iceberg (sqlite catalog)": ("onceflow-iceberg", True)}
+         "onceflow-iceberg (sqlite catalog)": ("onceflow-iceberg", True),
+         "onceflow-iceberg, snappy (as Parquet's)": ("onceflow-iceberg:snappy", True)}
 BASE, SAME = "parquet (built-in file sink)", "parquet, onceflow's checkpoint settings"
 
 
@@ -39,7 +41,7 @@ def _catalog(root: str) -> str:
 
 
 def written(spark, fmt: str, out: str) -> int:
-    if fmt == "onceflow-iceberg":
+    if fmt.startswith("onceflow-iceberg"):
         from pyiceberg.catalog.sql import SqlCatalog
 
         table = SqlCatalog("onceflow", uri=_catalog(out)).load_table("bench.events")
@@ -51,8 +53,10 @@ def written(spark, fmt: str, out: str) -> int:
 def _query(spark, fmt: str, pipeline: str, per_batch: int, out: str, ckpt: str, interval: float, as_job: bool):
     df = (spark.readStream.format("rate-micro-batch").option("rowsPerBatch", per_batch)
           .option("numPartitions", 2).load().selectExpr(*PIPELINES[pipeline]))
-    if fmt == "onceflow-iceberg":
-        writer = df.writeStream.format(fmt).option("catalog", _catalog(out)).option("table", "bench.events")
+    if fmt.startswith("onceflow-iceberg"):
+        fmt, _, codec = fmt.partition(":")  # the data files' codec: zstd (Iceberg's default) or as named
+        writer = (df.writeStream.format(fmt).option("catalog", _catalog(out)).option("table", "bench.events")
+                  .option("compression", codec or "zstd"))
     else:
         writer = df.writeStream.format(fmt).option("path", out)
     writer = writer.option("checkpointLocation", ckpt).trigger(processingTime=f"{int(interval * 1000)} milliseconds")

@@ -68,6 +68,10 @@ def test_options_and_modes_that_do_not_exist_are_refused(tmp_path):
         IcebergDataSource({"catalog": f"sqlite:///{tmp_path}/c.db", "table": "lake.t", "nonsense": "1"})
     with pytest.raises(ConfigError, match="keys applies to write='upsert' only"):
         IcebergDataSource({"catalog": f"sqlite:///{tmp_path}/c.db", "table": "lake.t", "keys": "id"})
+    with pytest.raises(ConfigError, match="compression='lzo': use one of zstd, snappy"):
+        IcebergSink(f"sqlite:///{tmp_path}/c.db", "lake.t", compression="lzo")
+    with pytest.raises(ConfigError, match="compression='lzo': use one of zstd, snappy"):
+        IcebergDataSource({"catalog": f"sqlite:///{tmp_path}/c.db", "table": "lake.t", "compression": "lzo"})
     ds = _source(f"sqlite:///{tmp_path}/c.db")
     with pytest.raises(ConfigError, match="append only"):
         ds.validate(SCHEMA, True)
@@ -208,7 +212,9 @@ def test_a_postgresql_catalog_decides_and_fences_the_same_way(pg, tmp_path):
 def test_a_plain_writestream_creates_the_table_and_writes_each_row_once(spark, tmp_path):
     """``writeStream.format("onceflow-iceberg")`` without a Job: the table is created when the
     query starts (tasks need its location before any commit); a second run of the same
-    checkpoint adds only new rows."""
+    checkpoint adds only new rows, written with the codec it names (zstd by default)."""
+    import pyarrow.parquet as pq
+
     from pyiceberg.catalog.sql import SqlCatalog
     from pyiceberg.exceptions import NoSuchTableError
 
@@ -224,11 +230,12 @@ def test_a_plain_writestream_creates_the_table_and_writes_each_row_once(spark, t
             return []
         return sorted(table.scan().to_arrow().column("id").to_pylist())
 
-    def run(total: int) -> None:
+    def run(total: int, **options: str) -> None:
         df = (spark.readStream.format("onceflow-sequence").option("total", total)
               .option("rows_per_second", 10**9).option("max_rows_per_batch", 500).option("partitions", 2)
               .load().select("id"))
         q = (df.writeStream.format("onceflow-iceberg").option("catalog", catalog).option("table", "lake.plain")
+             .options(**options)
              .option("checkpointLocation", str(tmp_path / "ckpt")).trigger(processingTime="100 milliseconds")
              .start())
         deadline = time.monotonic() + 240
@@ -237,9 +244,16 @@ def test_a_plain_writestream_creates_the_table_and_writes_each_row_once(spark, t
         q.stop()
         assert q.exception() is None
 
+    def codecs() -> set[str]:
+        files = SqlCatalog("onceflow", uri=catalog).load_table("lake.plain").inspect.files().column("file_path")
+        return {pq.ParquetFile(f.as_py().removeprefix("file://")).metadata.row_group(0).column(0).compression
+                for f in files}
+
     run(1000)
-    run(1500)
+    assert codecs() == {"ZSTD"}
+    run(1500, compression="snappy")
     assert ids() == list(range(1500))
+    assert codecs() == {"ZSTD", "SNAPPY"}
 
 
 def test_without_pyiceberg_the_sink_says_which_extra_to_install_and_the_others_still_register():

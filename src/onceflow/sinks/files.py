@@ -26,6 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pyspark.sql.pandas.types import to_arrow_schema as _to_arrow_schema
 from pyspark.sql.types import StructType
 
+from onceflow.errors import ConfigError
 from onceflow.sinks.base import TaskInfo
 
 _FILE = re.compile(
@@ -160,3 +161,15 @@ def add_files(handles: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """The data files of decision handles: a handle is one file, or (a partitioned task's
     directory) lists its files under ``files``."""
     return [f for h in handles for f in (h.get("files") or [h])]
+
+
+#: Parquet codecs pyarrow writes
+PARQUET_CODECS = ("zstd", "snappy", "lz4", "gzip", "brotli", "none")
+
+
+def parquet_codec(codec: str, what: str) -> str:
+    """``codec`` as pyarrow names it; ConfigError naming ``what`` and the choices otherwise."""
+    name = str(codec).strip().lower()
+    if name not in PARQUET_CODECS:
+        raise ConfigError(f"{what}={codec!r}: use one of {', '.join(PARQUET_CODECS)}")
+    return name

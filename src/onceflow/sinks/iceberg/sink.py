@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from onceflow.errors import ConfigError
 from onceflow.sinks.base import Sink
+from onceflow.sinks.files import parquet_codec
 from onceflow.sinks.iceberg.catalog import catalog_spec
 from onceflow.sinks.iceberg.fileio import with_storage
 from onceflow.sinks.upserts import check_fields, wire_options, with_delete_flag
@@ -29,7 +30,9 @@ class IcebergSink(Sink):
     for ``DeltaSink``; default: the job's, else ``ONCEFLOW_STORAGE_OPTIONS``), used by the
     tasks' fsspec writes and, translated to ``s3.*``/``adls.*`` properties, by pyiceberg's
     FileIO (catalog properties you give win). ``mode``: ``append`` (the only output mode). Every driver and
-    executor must reach the catalog and the warehouse.
+    executor must reach the catalog and the warehouse. ``compression``: the data files' Parquet
+    codec, ``zstd`` (Iceberg's default) or ``snappy`` (faster to write, larger), ``lz4``,
+    ``gzip``, ``brotli``, ``none``.
     ``write``: ``append`` (default) or ``upsert``: each batch is one snapshot replacing the rows
     of its ``keys`` (the last event per key in the batch wins: the largest ``order_by`` value,
     ties broken by the batch's order); ``delete_when``, a SQL predicate over the stream's
@@ -48,6 +51,7 @@ class IcebergSink(Sink):
     keys: Sequence[str] | None = None
     delete_when: str | None = None
     order_by: str | None = None
+    compression: str = "zstd"
 
     format_name = "onceflow-iceberg"
 
@@ -59,6 +63,7 @@ class IcebergSink(Sink):
                               "is not implemented; for upserts give write='upsert' and keys)")
         self.keys = check_fields("IcebergSink", self.write, self.keys, self.delete_when, self.order_by)
         self.storage_options = as_options(self.storage_options, "IcebergSink.storage_options")
+        self.compression = parquet_codec(self.compression, "IcebergSink.compression")
         with_storage(catalog_spec(self.catalog, self.warehouse, self.catalog_name),
                      self.storage_options)  # ConfigError early: the catalog, options pyiceberg cannot take
 
@@ -70,6 +75,8 @@ class IcebergSink(Sink):
             opts["warehouse"] = str(self.warehouse)
         if self.mode:
             opts["mode"] = self.mode
+        if self.compression != "zstd":
+            opts["compression"] = self.compression
         shipped = in_effect(self.storage_options)  # executors have no job: its options travel along
         if shipped:
             opts["storage_options"] = json.dumps(dict(shipped))

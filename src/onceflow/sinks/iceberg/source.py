@@ -60,6 +60,7 @@ from onceflow.sinks.files import (
     dictionary_columns,
     file_name,
     orphan_rule,
+    parquet_codec,
     remove_units,
     to_arrow_schema,
 )
@@ -128,6 +129,9 @@ class IcebergDataSource(TwoPhaseCommitSink):
         "delete_column": "upsert: a boolean column; a winning event where it is true deletes the key "
                          "(never written; IcebergSink(delete_when=...) computes it)",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
+        "compression": "Parquet codec of the data files: zstd (default, as Iceberg's "
+                       "write.parquet.compression-codec), snappy (what Spark's Parquet sink writes), "
+                       "lz4, gzip, brotli or none",
         "storage_options": "JSON object of object-store options (fsspec or delta-rs keys) for the tasks' "
                            "files and, translated to s3.*/adls.* properties, pyiceberg's FileIO "
                            "(default: the job's)",
@@ -162,6 +166,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
             self.row_group_rows = int(self.opts.get("row_group_rows", 1_000_000))
         except ValueError:
             raise ConfigError("onceflow-iceberg: row_group_rows must be a whole number") from None
+        self.compression = parquet_codec(self.opts.get("compression") or "zstd", "onceflow-iceberg: compression")
 
     # ---- the table ------------------------------------------------------------------
 
@@ -253,7 +258,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
                             if self.upsert is not None:
                                 check_keys(batch, self.upsert)
                             if writer is None:
-                                writer = pq.ParquetWriter(f, arrow_schema, compression="zstd",
+                                writer = pq.ParquetWriter(f, arrow_schema, compression=self.compression,
                                                           use_dictionary=dictionary_columns(batch))
                             writer.write_batch(batch, row_group_size=self.row_group_rows)
                             rows += batch.num_rows
@@ -516,4 +521,5 @@ class IcebergDataSource(TwoPhaseCommitSink):
                     "batch, epoch), committed conditionally; replays and lost replies apply nothing")
         return ("exactly-once (append): one Iceberg snapshot per batch carrying (lineage, batch, "
                 "epoch), committed conditionally; replays and lost replies find it and commit nothing")
+
 
