@@ -214,7 +214,6 @@ def test_a_plain_writestream_creates_the_table_and_writes_each_row_once(spark, t
     query starts (tasks need its location before any commit); a second run of the same
     checkpoint adds only new rows, written with the codec it names (zstd by default)."""
     import pyarrow.parquet as pq
-
     from pyiceberg.catalog.sql import SqlCatalog
     from pyiceberg.exceptions import NoSuchTableError
 
