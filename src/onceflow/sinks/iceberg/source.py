@@ -413,7 +413,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
         def write(part: int, rows) -> None:
             name = file_name(TaskInfo(decision.lineage, decision.batch_id, part, attempt), decision.epoch)
             added.append(name)
-            write_file(fs, f"{path}/{name}", rows, target)
+            write_file(fs, f"{path}/{name}", rows, target, self.compression)
 
         try:
             for part, (data_file, kept) in enumerate(rewrites(table, change), start=1):

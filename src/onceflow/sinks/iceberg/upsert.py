@@ -186,8 +186,8 @@ def rewrites(table: Any, change: BatchChange) -> list[tuple[Any, pa.Table | None
     return out
 
 
-def write_file(fs: Any, path: str, rows: pa.Table, schema: pa.Schema) -> None:
+def write_file(fs: Any, path: str, rows: pa.Table, schema: pa.Schema, compression: str = "zstd") -> None:
     """``rows`` (columns by name) as one Parquet file with the table's field ids."""
     rows = rows.select(schema.names).cast(schema)
     with fs.open(path, "wb") as f:
-        pq.write_table(rows, f, compression="zstd")
+        pq.write_table(rows, f, compression=compression)
