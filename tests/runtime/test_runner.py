@@ -123,3 +123,23 @@ def test_a_local_checkpoint_uses_the_filesystem_checkpoint_manager_and_leaves_th
         assert spark.conf.get(key) == chosen
     finally:
         spark.conf.unset(key)
+
+
+def test_query_conf_sets_arrow_batches_and_the_local_checkpoint_manager_then_restores(spark, tmp_path):
+    """A Job's query starts with 100,000-row Arrow batches for the sinks' Python writers (Spark's
+    10,000 made a 1M-row batch 100 Python calls per task) and, on a local checkpoint, the
+    FileSystem-based checkpoint manager; the session keeps its own settings and gets them back."""
+    from onceflow.spark import ARROW_BATCH_CONF, LOCAL_CHECKPOINT_CONF, query_conf
+
+    rows = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    with query_conf(spark, str(tmp_path / "ckpt")) as added:
+        assert spark.conf.get(rows) == "100000"
+        assert set(added) == set(ARROW_BATCH_CONF) | set(LOCAL_CHECKPOINT_CONF)
+    assert spark.conf.get(rows, None) is None
+    spark.conf.set(rows, "5000")  # the user's own setting wins; an object store keeps Spark's manager
+    try:
+        with query_conf(spark, "s3a://bucket/ckpt") as added:
+            assert spark.conf.get(rows) == "5000" and set(added) == set(ARROW_BATCH_CONF) - {rows}
+        assert spark.conf.get(rows) == "5000"
+    finally:
+        spark.conf.unset(rows)
