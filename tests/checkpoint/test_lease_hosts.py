@@ -197,3 +197,44 @@ def test_a_commit_check_that_looks_only_now_and_then_judges_by_the_holders_elaps
     time.sleep(1.5 * TTL)
     with pytest.raises(DriverLeaseLapsed, match="has not renewed its lease"):
         check_driver_lease(str(ckpt), 1, TTL)
+
+
+class LateReplies:
+    """A filesystem whose read replies arrive ``delay_s`` late (the bytes are read, then the
+    reply waits): a slow store, or a reader descheduled between its read and its clock."""
+
+    def __init__(self, fs):
+        self._fs, self.delay_s = fs, 0.0
+
+    def cat_file(self, *args, **kwargs):
+        data = self._fs.cat_file(*args, **kwargs)
+        time.sleep(self.delay_s)
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+
+@needs_namespaces
+def test_a_late_reply_is_not_the_holders_silence(tmp_path, parties):
+    """A reader's read that returns late proves the holder's silence only up to the moment the
+    read began. Before, the reader judged what it read at the moment the reply came: after
+    prompt reads (which bound when the holder took the lease), one reply 3 s late (beyond the
+    1.2 s lapse) made a live, renewing holder look lapsed, and a successor took its lease."""
+    from onceflow.checkpoint.lease import DriverLease
+    from onceflow.errors import FencedError
+
+    ckpt = tmp_path / "ckpt"
+    holder = parties("holder", "hold", ckpt, hostname="host-a")
+    assert holder.wait_for("holding")["epoch"] == 1
+    reader = DriverLease(str(ckpt), "probe", ttl_s=TTL, renew_s=RENEW)
+    reader.fs = late = LateReplies(reader.fs)
+    for _ in range(8):  # prompt reads: the reader sees the holder renew
+        assert reader.holder() is not None
+        time.sleep(RENEW / 2)
+    late.delay_s = 2.5 * (TTL + RENEW)
+    for _ in range(2):
+        assert reader.holder() is not None, "a live holder looked lapsed after a late reply"
+    with pytest.raises(FencedError, match="already running"):
+        reader.acquire(wait_s=0)
+    assert not holder.seen("lost"), holder.seen("lost")

@@ -2,7 +2,7 @@
 clocks, a successor host in its own PID namespace and host name standing by for the lease.
 
 The lease needs no shared clock: while one host's wall clock is 300 s off, the job keeps
-committing and the successor never takes over. The stream (200 s at 1,000 events/s) leaves room
+committing and the successor never takes over. The stream (150 s at 1,000 events/s) leaves room
 for two successors' Spark starts and skews (about 80 s on an idle machine).
 """
 
@@ -28,7 +28,7 @@ def test_the_lease_needs_no_shared_clock(tmp_path):
     hosts' clocks is 300 s off (seed 1: the job host's back, then the successor's forward); the job keeps
     committing, the successor never takes over, and no JVM spins under libfaketime."""
     rc, report, out = _verify(
-        tmp_path, "--faults", "clock_skew", "--count", "2", "--rate", "1000", "--events", "200000",
+        tmp_path, "--faults", "clock_skew", "--count", "2", "--rate", "1000", "--events", "150000",
         "--seed", "1", "--lease-ttl", "4", "--outage-s", "15")
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once" and report["duplicates"] == report["missing"] == 0

@@ -142,7 +142,7 @@ class ClockSkew(Fault):
         where = "job host" if on_job else "successor host"
         if took:
             h.anomalies.append(f"clock_skew: the standing-by successor took the lease from a live driver "
-                               f"while the {where}'s clock was {skew:+.0f}s off")
+                               f"while the {where}'s clock was {skew:+.0f}s off{self._why(h, succ)}")
         if not during:
             h.anomalies.append(f"clock_skew: no batch committed during {hold:.0f}s with the {where}'s "
                                f"clock {skew:+.0f}s off")
@@ -166,6 +166,19 @@ class ClockSkew(Fault):
         """A runner of the successor (pids as its PID namespace knows them) started since ``seq``."""
         mine = set(procs.ns_pids(succ.pid))
         return any(e["event"] == "start" and e.get("pid") in mine for e in h.events()[seq:])
+
+    @staticmethod
+    def _why(h: Harness, succ: subprocess.Popen) -> str:
+        """What the successor's log says it took the lease on, and any late renewal the job's
+        drivers logged (a paused or starved holder lapses whatever the clocks say)."""
+        found = []
+        for proc, pattern in ((succ, r"took the lease of .*"), (h.supervisor, r"lease renewal of epoch .* comes .*")):
+            try:
+                with open(proc.log_path, errors="replace") as f:  # type: ignore[attr-defined]
+                    found += re.findall(pattern, f.read())[:2]
+            except (OSError, AttributeError):
+                pass
+        return "".join(f"; {line.strip()}" for line in found)
 
     @staticmethod
     def _stop(succ: subprocess.Popen) -> None:

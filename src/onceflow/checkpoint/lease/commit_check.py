@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from onceflow.checkpoint.lease.holder import DriverLease
+from onceflow.checkpoint.lease.identity import clock
 from onceflow.checkpoint.lease.sighting import held_s, see_persisted
 from onceflow.errors import DriverLeaseLapsed, FencedError
 
@@ -18,6 +19,7 @@ def check_driver_lease(checkpoint_url: str, epoch: int, ttl_s: float) -> None:
     or, sooner, from what the record's ``held_s`` proves (see :mod:`.sighting`).
     StoreUnavailable when the checkpoint store cannot be read (an outage, not fatal)."""
     lease = DriverLease(checkpoint_url, "?", ttl_s=ttl_s)
+    read_at = clock()
     epochs = lease._epochs()
     if epochs and epochs[-1] > epoch:
         raise FencedError(f"a newer driver took the lease of {checkpoint_url} (epoch {epochs[-1]} > "
@@ -26,7 +28,7 @@ def check_driver_lease(checkpoint_url: str, epoch: int, ttl_s: float) -> None:
     rec = found[1] if found else None
     quiet = lapse = 0.0
     if found is not None and not rec.get("released"):
-        seen, now = see_persisted(lease.url, epoch, found[0], held_s(rec))
+        seen, now = see_persisted(lease.url, epoch, found[0], held_s(rec), read_at)
         quiet, lapse = seen.silent_s(held_s(rec), now), lease.lapse_s(rec)
     if rec is None or rec.get("released") or quiet >= lapse:
         who = f"pid {rec.get('pid')} on {rec.get('host')}" if rec else "its driver"

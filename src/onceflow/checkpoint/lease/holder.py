@@ -66,6 +66,7 @@ class DriverLease:
         self.waited = False  #: another driver held the lease when acquire() began (see acquire)
         self._acquired_at = 0.0  # identity.clock() when the create of our record started
         self._renewed_at = 0.0  # ... when the last successful write of our record started
+        self._tried_at = 0.0  # ... when the last attempt to write it started
 
     # ---- records ---------------------------------------------------------------------------
 
@@ -126,8 +127,9 @@ class DriverLease:
 
         return max(self.ttl_s, num("ttl_s", self.ttl_s)) + max(0.0, num("renew_s", self.renew_s))
 
-    def _judge(self, epoch: int, found: tuple[bytes, dict] | None) -> tuple[Verdict, str]:
-        """The verdict on record ``epoch`` (just read) and why, in words for a log line."""
+    def _judge(self, epoch: int, found: tuple[bytes, dict] | None, read_at: float) -> tuple[Verdict, str]:
+        """The verdict on record ``epoch``, read by a read that began at ``read_at``
+        (:func:`identity.clock`), and why, in words for a log line."""
         if found is None:
             return Verdict.FREE, "no record"
         raw, rec = found
@@ -139,7 +141,7 @@ class DriverLease:
         if local is False:
             return Verdict.FREE, f"its process (pid {rec.get('pid')}) is gone from this host"
         held = held_s(rec)
-        seen, now = SIGHTINGS.see(self.url, epoch, raw, held)
+        seen, now = SIGHTINGS.see(self.url, epoch, raw, held, read_at)
         quiet, lapse = seen.silent_s(held, now), self.lapse_s(rec)
         if quiet >= lapse:
             return Verdict.FREE, f"not renewed for {quiet:.1f}s by this host's clock (lapse {lapse:g}s)"
@@ -170,9 +172,10 @@ class DriverLease:
         deadline, attempt = identity.clock() + retry_s, 0
         while True:
             try:
+                read_at = identity.clock()
                 epochs = self._epochs()
                 found = self._read(epochs[-1]) if epochs else None
-                verdict, _ = self._judge(epochs[-1], found) if epochs else (Verdict.FREE, "")
+                verdict, _ = self._judge(epochs[-1], found, read_at) if epochs else (Verdict.FREE, "")
                 if verdict is Verdict.UNKNOWN and settle:
                     time.sleep(self._poll_s(found[1] if found else {}))
                     continue
@@ -213,7 +216,7 @@ class DriverLease:
                 raise ConfigError(f"the checkpoint filesystem of {self.url} cannot create files "
                                   f"exclusively ({e.cause}); use a filesystem with conditional writes") from None
             raise
-        self._acquired_at = self._renewed_at = started
+        self._acquired_at = self._renewed_at = self._tried_at = started
         return True
 
     def acquire(self, takeover: bool | int = False, wait_s: float | None = None,
@@ -242,13 +245,14 @@ class DriverLease:
         while True:
             try:
                 store_call(f"creating {self.url}", lambda: self.fs.makedirs(self.dir, exist_ok=True))
+                read_at = identity.clock()
                 epochs = self._epochs()
                 top = epochs[-1] if epochs else 0
                 found = self._read(top) if epochs else None
                 if takeover is True or (takeover is not False and top == takeover):
                     verdict, why = Verdict.FREE, "takeover"
                 else:
-                    verdict, why = self._judge(top, found)
+                    verdict, why = self._judge(top, found, read_at)
                 if verdict is Verdict.FREE and self._create(top + 1):
                     break
             except StoreUnavailable as e:
@@ -285,6 +289,10 @@ class DriverLease:
                 time.sleep(self._poll_s(rec))
             elif stop.wait(self._poll_s(rec)):
                 raise Stopped(f"standing by for the lease of {self.url}")
+        if found is not None and why not in ("released", "our own record"):
+            rec = found[1]
+            log.info("took the lease of %s (epoch %s) from pid %s on %s, epoch %s: %s", self.url, self.epoch,
+                     rec.get("pid"), rec.get("host"), top, why)
         for old in epochs:  # older holders are gone or fenced: keep the directory small
             try:
                 store_call(f"removing {self._path(old)}", lambda old=old: self.fs.rm(self._path(old)))
@@ -306,6 +314,11 @@ class DriverLease:
                         self._lose(f"a newer driver took the lease (epoch {newer[-1]} > {self.epoch})", True)
                         return
                     started = identity.clock()
+                    if started - self._tried_at > max(2 * self.renew_s, self.ttl_s / 2):
+                        log.warning("lease renewal of epoch %s comes %.1fs after the last attempt (period "
+                                    "%gs, TTL %gs): this process was paused or starved, or the store is slow",
+                                    self.epoch, started - self._tried_at, self.renew_s, self.ttl_s)
+                    self._tried_at = started
                     self._renewals += 1
                     record = json.dumps(self._record(started - self._acquired_at)).encode()
                     store_call(f"renewing lease record {self._path(self.epoch or 0)}",

@@ -91,8 +91,10 @@ class Sightings:
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, int], Sighting] = {}
 
-    def see(self, where: str, epoch: int, raw: bytes, held: float | None) -> tuple[Sighting, float]:
-        """Record a read of ``raw``; returns the sighting and ``now`` on this reader's clock."""
+    def see(self, where: str, epoch: int, raw: bytes, held: float | None,
+            read_at: float) -> tuple[Sighting, float]:
+        """Record a read of ``raw`` that began at ``read_at`` (this reader's clock); returns the
+        sighting and the instant to judge its silence at (``read_at``)."""
         now, d = clock(), digest(raw)
         with self._lock:
             prev = self._seen.get((where, epoch))
@@ -100,13 +102,14 @@ class Sightings:
             for key in [k for k in self._seen if k[0] == where and k[1] < epoch]:
                 del self._seen[key]  # older epochs are never read again
             self._seen[(where, epoch)] = seen
-        return seen, now
+        return seen, min(read_at, now)
 
 
 SIGHTINGS = Sightings()
 
 
-def see_persisted(where: str, epoch: int, raw: bytes, held: float | None) -> tuple[Sighting, float]:
+def see_persisted(where: str, epoch: int, raw: bytes, held: float | None,
+                  read_at: float) -> tuple[Sighting, float]:
     """Like :meth:`Sightings.see`, kept in a file so that the next process of this host (the
     next batch's Python worker) continues the observation. A missing or foreign file starts
     over (the record counts as just seen: the conservative side)."""
@@ -132,7 +135,7 @@ def see_persisted(where: str, epoch: int, raw: bytes, held: float | None) -> tup
             _prune(base)
         except OSError:
             pass  # an unwritable temp dir: each check starts over (conservative, never wrong)
-    return seen, now
+    return seen, min(read_at, now)
 
 
 def _prune(base: str, older_than_s: float = 7 * 86400) -> None:
