@@ -258,10 +258,10 @@ class Harness:
                 if not self._wait_up(last, progress, bar):
                     break
                 deadline = time.time() + pause
-                while time.time() < deadline:
+                while time.time() < deadline and not self._ended():
                     progress.update(bar, completed=self._committed())
                     time.sleep(0.2)
-                if self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None:
+                if self._ended():
                     break  # the stream is (nearly) done: a fault now would test nothing
                 start, self.settled, self.settled_seq = time.time(), None, None
                 victim = procs.active_driver(self.log, self.supervisor.pid) if FAULTS[kind].kills_driver else None
@@ -294,6 +294,10 @@ class Harness:
                     progress_at, seen = time.time(), self._committed()
             progress.update(bar, completed=self._committed(), info="done")
         return records
+
+    def _ended(self) -> bool:
+        """The stream is (nearly) all committed, or the job's supervisor exited."""
+        return self._committed() >= self.spec.events * 0.97 or self.supervisor.poll() is not None
 
     def _committed(self) -> int:
         return sum(c["rows"] for c in self._commits() if not c.get("replay"))
