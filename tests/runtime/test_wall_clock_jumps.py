@@ -121,7 +121,14 @@ def test_a_wall_clock_jump_does_not_time_out_a_running_batch(monkeypatch):
 JOB = textwrap.dedent(
     """
     import os
+    import sys
     from onceflow import CheckpointConfig, DeltaSink, Job, no_restart
+
+    if getattr(sys.modules["__main__"].__spec__, "name", "") == "onceflow.runtime.driver":
+        # the JVM this driver starts (and the JVM's Python workers) run on a libfaketime clock;
+        # the driver process itself keeps the real one (a preload acts from the next exec)
+        from onceflow.verify.clock import faketime_env
+        os.environ.update(faketime_env(os.environ["JVM_FAKETIME"]))
 
     def source(spark):
         return (spark.readStream.format("onceflow-sequence").option("total", 10**9)
@@ -146,13 +153,22 @@ def _commits(work) -> list[dict]:
 def test_a_wall_clock_step_back_does_not_stall_the_job(tmp_path):
     """Spark's processing-time trigger waits for a wall-clock instant: after the host clock
     stepped back 120 s, the query waited 120 s before its next batch (found by ``onceflow verify
-    --faults clock_skew`` in CI: no batch committed for the whole 15 s skew). The runner sees
-    the step on its monotonic clock and restarts the query: batches go on within seconds."""
+    --faults clock_skew`` in CI: no batch committed for the whole 15 s skew). The runner
+    restarts the query when the clock its trigger waits on (the JVM's) stepped back: batches go
+    on within seconds.
+
+    Only the JVM's clock steps here; the driver's Python process keeps the real one. Before,
+    the runner judged the step by its own process's clock: under libfaketime, which re-reads
+    each process's clock file on that process's own schedule, it restarted the query before the
+    JVM's clock had stepped, the new query's trigger stalled for the whole step all the same,
+    and in ``onceflow verify`` the job then ended "idle" and released its lease to the
+    standing-by successor (CI, stop 37). Now the runner reads the clock the trigger waits on:
+    the JVM's."""
     (tmp_path / "job.py").write_text(JOB)
     sleep_shim(str(tmp_path))
-    clock = str(tmp_path / "faketime")
-    set_offset(clock, 0)
-    env = {**os.environ, "WORK": str(tmp_path), **faketime_env(clock)}
+    jvm_clock = str(tmp_path / "faketime-jvm")
+    set_offset(jvm_clock, 0)
+    env = {**os.environ, "WORK": str(tmp_path), "JVM_FAKETIME": jvm_clock}
     log = tmp_path / "run.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", str(tmp_path / "job.py")],
@@ -162,9 +178,9 @@ def test_a_wall_clock_step_back_does_not_stall_the_job(tmp_path):
         while len(_commits(tmp_path)) < 3:
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.3)
-        set_offset(clock, -120)  # the host clock steps back two minutes and stays there
+        set_offset(jvm_clock, -120)  # the JVM's clock steps back two minutes and stays there
         stepped, before = time.monotonic(), len(_commits(tmp_path))
-        time.sleep(2.5)  # every process sees the step (libfaketime re-reads the file each second)
+        time.sleep(2.5)  # (libfaketime re-reads a clock file at most each second)
         seen = len(_commits(tmp_path))
         while len(_commits(tmp_path)) < seen + 3 and time.monotonic() - stepped < 60:
             assert proc.poll() is None, log.read_text()[-3000:]

@@ -45,6 +45,8 @@ from onceflow.settings import setting
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from onceflow.runtime.spec import JobSpec
 
 log = logging.getLogger("onceflow.runner")
@@ -348,7 +350,7 @@ class JobRunner:
             self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
                             "query_start_s": round(time.time() - t2, 3)}
             try:
-                stepped = self._monitor(query, started)
+                stepped = self._monitor(query, started, _wall_clock(spark))
             finally:
                 _stop_quietly(query)
             if stepped is None:
@@ -360,12 +362,14 @@ class JobRunner:
             self.events.append("clock_step", back_s=round(stepped, 1), epoch=epoch)
             t2 = time.time()
 
-    def _monitor(self, query, started: float) -> float | None:
-        """Watch the query until it ends or must stop (None), or until the wall clock stepped
-        back by more than :data:`CLOCK_STEP_S` while its processing-time trigger waits:
-        returns the step (seconds) for the caller to restart the query."""
+    def _monitor(self, query, started: float, wall_clock: Callable[[], float] | None = None) -> float | None:
+        """Watch the query until it ends or must stop (None), or until ``wall_clock`` (the
+        clock its trigger waits on) stepped back by more than :data:`CLOCK_STEP_S` while its
+        processing-time trigger waits: returns the step (seconds) for the caller to restart
+        the query."""
         job, cfg = self.job, self.job.checkpoint
-        wall = time.time() - time.monotonic()  # the wall clock's offset from the monotonic one
+        wall_clock = wall_clock or time.time
+        wall = _clock_offset(wall_clock) or 0.0  # the wall clock's offset from the monotonic one
         stepped = 0.0
         seen = -1
         recovered = False
@@ -397,8 +401,9 @@ class JobRunner:
             status = query.status
             now = time.monotonic()  # idle and batch timers: a wall clock may jump by minutes
             active = bool(status.get("isTriggerActive"))
-            offset = time.time() - now
-            stepped, wall = max(0.0, stepped + wall - offset), offset  # back: +, forward: -
+            offset = _clock_offset(wall_clock)
+            if offset is not None:
+                stepped, wall = max(0.0, stepped + wall - offset), offset  # back: +, forward: -
             if stepped > CLOCK_STEP_S and cfg.interval_s > 0 and not active and not self.stop.is_set():
                 return stepped  # the trigger now waits for a wall-clock instant `stepped` s away
             active_since = (active_since or now) if active else None
@@ -499,6 +504,31 @@ def _first_batch_phases(query, batch: int) -> dict[str, float]:
 
 def job_sink_name(source) -> str:
     return f"{source.format_name}:{source.opts.get('sink_id', '')}".rstrip(":")
+
+
+def _wall_clock(spark) -> Callable[[], float]:
+    """The wall clock the query's trigger waits on: the driver JVM's (``System.currentTimeMillis``;
+    a process may see a clock step later than this one), else (Spark Connect) this process's."""
+    if is_connect(spark):
+        return time.time
+    system = spark._jvm.java.lang.System
+
+    def jvm_time() -> float:
+        try:
+            return system.currentTimeMillis() / 1000.0
+        except Exception:  # noqa: BLE001 - the JVM is going away: the monitor finds out itself
+            return time.time()
+
+    return jvm_time
+
+
+def _clock_offset(wall_clock: Callable[[], float]) -> float | None:
+    """``wall_clock()`` minus this process's monotonic clock, or None when reading it took
+    over a second (a JVM paused for GC would look like a clock step)."""
+    before = time.monotonic()
+    wall = wall_clock()
+    after = time.monotonic()
+    return None if after - before > 1.0 else wall - (before + after) / 2
 
 
 def _stop_quietly(query) -> None:
