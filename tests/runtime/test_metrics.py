@@ -182,7 +182,8 @@ def test_the_shipped_alerting_rules_load_and_pass_their_unit_tests():
     check = subprocess.run(["promtool", "check", "rules", str(DEPLOY / "alerts.yml")],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
-    for alert in ("OnceflowNoCommit", "OnceflowRestarting", "OnceflowLeaseLost"):
+    for alert in ("OnceflowNoCommit", "OnceflowRestarting", "OnceflowLeaseLost", "OnceflowSourceLagGrowing",
+                  "OnceflowSourceBehind"):
         assert alert in (DEPLOY / "alerts.yml").read_text()
     unit = subprocess.run(["promtool", "test", "rules", str(DEPLOY / "alerts_test.yml")],
                           capture_output=True, text=True, timeout=60)
