@@ -389,7 +389,7 @@ class JobRunner:
                 if exc is not None:
                     raise RuntimeError(str(exc))
                 self._still_holder()
-                return
+                return None
             if time.monotonic() - polled > 2.0:  # this process was paused (GC, SIGSTOP, VM freeze):
                 idle_since = None  # time without data is only counted while we watch
             polled = time.monotonic()
@@ -432,7 +432,7 @@ class JobRunner:
                     and now - idle_since >= job.stop_when_idle):
                 query.stop()
                 self._still_holder()
-                return
+                return None
 
     def _cancelled(self) -> bool:
         """Whether the stop is ``onceflow cancel``'s (an unreadable request: a graceful stop)."""

@@ -140,13 +140,14 @@ class ClockSkew(Fault):
             time.sleep(CACHE_S + 0.5)  # every process re-read its offset: timestamps are real again
             during = [e for e in h.events()[seq:] if e["event"] == "sink_commit" and e["rows"]]
             took = self._took_over(h, succ, seq)
+            why = self._why(h, succ, seq) if took else ""
         finally:
             self._stop(succ)
         h.settled_seq = len(h.events())
         where = "job host" if on_job else "successor host"
         if took:
             h.anomalies.append(f"clock_skew: the standing-by successor took the lease from a live driver "
-                               f"while the {where}'s clock was {skew:+.0f}s off{self._why(h, succ)}")
+                               f"while the {where}'s clock was {skew:+.0f}s off{why}")
         if not late:  # the batch in flight at the jump may commit; the job must go on after it
             h.anomalies.append(f"clock_skew: no batch committed during the last {hold / 2:.0f}s of {hold:.0f}s "
                                f"with the {where}'s clock {skew:+.0f}s off")
@@ -172,10 +173,13 @@ class ClockSkew(Fault):
         return any(e["event"] == "start" and e.get("pid") in mine for e in h.events()[seq:])
 
     @staticmethod
-    def _why(h: Harness, succ: subprocess.Popen) -> str:
-        """What the successor's log says it took the lease on, and any late renewal the job's
-        drivers logged (a paused or starved holder lapses whatever the clocks say)."""
-        found = []
+    def _why(h: Harness, succ: subprocess.Popen, seq: int) -> str:
+        """What the successor's log says it took the lease on, any late renewal the job's
+        drivers logged (a paused or starved holder lapses whatever the clocks say), and any
+        stop of the job's driver since ``seq`` (a stop releases the lease)."""
+        mine = set(procs.ns_pids(succ.pid))
+        found = [f"the job's driver (pid {e.get('pid')}) stopped: {e.get('reason')}" for e in h.events()[seq:]
+                 if e["event"] == "stop" and e.get("pid") not in mine and e.get("scope") != "process"]
         for proc, pattern in ((succ, r"took the lease of .*"), (h.supervisor, r"lease renewal of epoch .* comes .*")):
             try:
                 with open(proc.log_path, errors="replace") as f:  # type: ignore[attr-defined]

@@ -289,7 +289,7 @@ class DriverLease:
                 time.sleep(self._poll_s(rec))
             elif stop.wait(self._poll_s(rec)):
                 raise Stopped(f"standing by for the lease of {self.url}")
-        if found is not None and why not in ("released", "our own record"):
+        if found is not None and why != "our own record":
             rec = found[1]
             log.info("took the lease of %s (epoch %s) from pid %s on %s, epoch %s: %s", self.url, self.epoch,
                      rec.get("pid"), rec.get("host"), top, why)
