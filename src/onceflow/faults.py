@@ -36,6 +36,7 @@ POINTS = (
     # is lost (raise: the commit fails as if the reply never came; kill: the driver dies)
     "mid_commit",  # driver: some handles visible
     "after_commit",  # driver: batch visible, Spark has not written commits/N
+    "before_stop_savepoint",  # driver: stopped, lease released, the stop request not acted on yet
 )
 
 MODES = ("kill", "kill_executor", "raise", "pause")

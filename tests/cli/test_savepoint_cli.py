@@ -131,8 +131,16 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     assert not (tmp_path / "nowhere").exists()
 
     # Resume under 'onceflow run --from-savepoint', then 'onceflow stop --savepoint TARGET'.
+    # The driver pauses (SIGSTOP) once it has stopped and freed the lease, before it takes the
+    # savepoint asked for: 'onceflow stop' must wait for it, not take one into the same target
+    # itself. (It did, when its poll fell in that window: CI, stop 38's own run; the driver
+    # then failed on the non-empty target, or the stop did.)
     ckpt2 = CheckpointDir(str(tmp_path / "ckpt2"))
-    sup = onceflow("run", "--no-standby", str(tmp_path / "job.py"), "--from-savepoint", sp, "--checkpoint", ckpt2.url, env=env)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env2 = {**env, "ONCEFLOW_CRASH_AT": "before_stop_savepoint:pause", "ONCEFLOW_CRASH_MARKER_DIR": str(markers)}
+    sup = onceflow("run", "--no-standby", str(tmp_path / "job.py"), "--from-savepoint", sp, "--checkpoint", ckpt2.url,
+                   env=env2)
     try:
         wait_for_commits(ckpt2, 4, sup)  # batch N-1 and N restored, two new ones
         sp2 = str(tmp_path / "sp2")
@@ -142,6 +150,16 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
             ["unshare", "--uts", "sh", "-c", 'hostname ops-laptop && exec "$@"', "stop",
              sys.executable, "-m", "onceflow", "stop", "--savepoint", "sp2", ckpt2.url],
             env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        marker = markers / "fired-before_stop_savepoint-None"
+        deadline = time.monotonic() + 120
+        while not marker.exists() or "pid=" not in marker.read_text():
+            assert time.monotonic() < deadline and stopper.poll() is None, stopper.communicate()
+            time.sleep(0.2)
+        time.sleep(3)  # the stop polls every 0.2 s: the lease is free and the request still there
+        assert stopper.poll() is None, ("'onceflow stop' did not wait for the paused driver", stopper.communicate())
+        paused = dict(kv.split("=") for kv in marker.read_text().split())
+        os.killpg(int(paused["pgid"]), signal.SIGCONT)
+        os.kill(int(paused["pid"]), signal.SIGCONT)
         out, err = stopper.communicate(timeout=180)
         assert stopper.returncode == 0, err
         assert f"savepoint {sp2}: job cli-counts" in out and "the driver on host" in err, (out, err)
@@ -149,6 +167,12 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     finally:
         if sup.poll() is None:
             sup.kill()
+        if (markers / "fired-before_stop_savepoint-None").exists():  # a driver left paused: gone
+            paused = dict(kv.split("=") for kv in (markers / "fired-before_stop_savepoint-None").read_text().split())
+            try:
+                os.killpg(int(paused["pgid"]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     assert ckpt2.lineage == ckpt.lineage
     assert os.listdir(sps) == [name] and not (tmp_path / "savepoints").exists()  # only where asked
     resumed_at = json.loads(open(f"{sp2}/_savepoint.json").read())["source_offsets"][0]["next"]

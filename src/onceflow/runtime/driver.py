@@ -50,6 +50,7 @@ from onceflow.runtime.launch import (
     split_driver_argv,
 )
 from onceflow.runtime.loader import load_job
+from onceflow.faults import maybe_crash
 from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
 from onceflow.runtime.standby import GO_ENV, mark_ready, takes_over, wait_for_go, warm_up
@@ -193,6 +194,7 @@ def _standby(job, go: str, stop: threading.Event):
 
 
 def _savepoint_on_stop(checkpoint_url: str, job_name: str, started: float) -> int:
+    maybe_crash("before_stop_savepoint", -1)
     try:
         taken = savepoint_on_stop(checkpoint_url, job_name, started)
     except Exception as e:  # noqa: BLE001 - any failure: the stop did not do what was asked

@@ -40,7 +40,7 @@ from onceflow.errors import (
 from onceflow.outages import Stopped, short, wait_out
 from onceflow.runtime import metrics, scratch
 from onceflow.savepoint.context import RestoreContext, checkpoint_context
-from onceflow.savepoint.operations import cancel_requested, stop_requested
+from onceflow.savepoint.operations import cancel_requested, stop_request_id, stop_requested
 from onceflow.settings import setting
 from onceflow.spark import cli_conf, get_spark, is_connect, query_conf, register_all
 
@@ -186,6 +186,7 @@ class JobRunner:
                 log.info("stopped while standing by for the lease of %s; the job ran elsewhere", self.url)
                 return
             stack.callback(self.lease.release)
+            stack.callback(self._saw_stop_request)  # (an ExitStack runs it first)
             if self.lease.waited and self._stopped_meanwhile(t0):
                 log.info("the job was stopped ('onceflow stop') while this driver stood by for its "
                          "lease; not starting it")
@@ -433,6 +434,19 @@ class JobRunner:
                 query.stop()
                 self._still_holder()
                 return None
+
+    def _saw_stop_request(self) -> None:
+        """Stopped with a stop request pending (its driver acts on it once the lease is free):
+        say so while this driver still holds the lease, so that ``onceflow stop`` on another
+        host waits for the savepoint rather than taking one into the same target itself."""
+        if not (self.stop.is_set() and self.ran):
+            return
+        try:
+            rid = stop_request_id(self.url)
+            if rid is not None:
+                self.events.append("stop_request_seen", request=rid)
+        except Exception as e:  # noqa: BLE001 - the checkpoint store erred: 'onceflow stop' times out
+            log.warning("could not read the stop request of %s (%s)", self.url, short(e))
 
     def _cancelled(self) -> bool:
         """Whether the stop is ``onceflow cancel``'s (an unreadable request: a graceful stop)."""

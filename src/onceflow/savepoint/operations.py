@@ -181,6 +181,11 @@ def stop_requested(checkpoint_url: str) -> bool:
     return _read_request(checkpoint_url)[0] is not None
 
 
+def stop_request_id(checkpoint_url: str) -> str | None:
+    """The id of the stop request ``onceflow stop`` left in the checkpoint, or None."""
+    return (_read_request(checkpoint_url)[0] or {}).get("id")
+
+
 def cancel_requested(checkpoint_url: str) -> bool:
     """Whether the stop request is ``onceflow cancel``'s: stop now, the in-flight batch
     abandoned (it is replayed by the next run), not after it."""
@@ -260,6 +265,7 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
                  "(the in-flight batch finishes first)", what, url)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        free = live_lease_holder(url) is None  # read first: what a driver logs, it logs before it frees it
         if pid == sup and pid is not None:
             stopped = not _alive(pid) or any(
                 e.get("event") == "stop" and e.get("scope") == "process" and float(e.get("ts", 0)) >= since
@@ -267,12 +273,15 @@ def stop_job(checkpoint_url: str, timeout: float = 300.0, poll: float = 0.2, *,
         elif pid is not None:
             stopped = not _alive(pid)
         else:  # another host: the driver logs when it has acted on our request (savepoint
-            # taken); or it stopped without taking the request (then we act on it ourselves)
+            # taken); or it stopped without seeing the request (then we act on it ourselves).
+            # A driver that saw it logs so before it frees the lease, and acts on it after.
             seen = list(events.read())
-            stopped = any(e.get("event") == "stop_request_done" and e.get("request") == rid for e in seen) or (
-                any(e.get("event") == "stop" and float(e.get("ts", 0)) >= asked for e in seen)
-                and (_read_request(url)[0] or {}).get("id") == rid)
-        if stopped and live_lease_holder(url) is None:
+            mine = [e.get("event") for e in seen if e.get("request") == rid]
+            stopped = "stop_request_done" in mine or (
+                "stop_request_seen" not in mine
+                and any(e.get("event") == "stop" and float(e.get("ts", 0)) >= asked for e in seen)
+                and stop_request_id(url) == rid)
+        if stopped and free:
             _drop_own_request(url, rid)
             return what
         time.sleep(poll)
