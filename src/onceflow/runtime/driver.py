@@ -42,6 +42,7 @@ from onceflow.errors import (
     JvmDied,
     OnceflowError,
 )
+from onceflow.faults import maybe_crash
 from onceflow.runtime import scratch
 from onceflow.runtime.launch import (
     apply_overrides,
@@ -50,7 +51,6 @@ from onceflow.runtime.launch import (
     split_driver_argv,
 )
 from onceflow.runtime.loader import load_job
-from onceflow.faults import maybe_crash
 from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
 from onceflow.runtime.standby import GO_ENV, mark_ready, takes_over, wait_for_go, warm_up
