@@ -252,13 +252,22 @@ class StoreOutage(Fault):
 
     def inject(self, h: Harness) -> str:
         mount = os.path.dirname(h.spec.checkpoint)
-        for mode in ("ro", "rw"):
-            res = subprocess.run(["mount", "-o", f"remount,{mode}", mount], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise ConfigError(f"verify: remount,{mode} of {mount} failed: {res.stderr.strip()}")
-            if mode == "ro":
-                time.sleep(h.options.outage_s)
+        res = self._remount(mount, "ro")
+        if res.returncode != 0 and "busy" in res.stderr:  # a file open for writing: try again later
+            raise FaultMissed(f"remount,ro of {mount}: {res.stderr.strip().splitlines()[0]}")
+        if res.returncode != 0:
+            raise ConfigError(f"verify: remount,ro of {mount} failed: {res.stderr.strip()}")
+        time.sleep(h.options.outage_s)
+        deadline = time.monotonic() + 60
+        while (res := self._remount(mount, "rw")).returncode != 0:  # never leave it read-only
+            if time.monotonic() > deadline:
+                raise ConfigError(f"verify: remount,rw of {mount} failed: {res.stderr.strip()}")
+            time.sleep(0.5)
         return f"checkpoint filesystem read-only for {h.options.outage_s:.0f}s"
+
+    @staticmethod
+    def _remount(mount: str, mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["mount", "-o", f"remount,{mode}", mount], capture_output=True, text=True)
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
