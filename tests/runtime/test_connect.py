@@ -15,6 +15,7 @@ import time
 import pytest
 
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.verify import procs
 from onceflow.verify.exactly_once import check_delta_table
 from spark_cluster import free_port
 from spark_connect import ConnectServer
@@ -73,16 +74,24 @@ def test_driver_kills_under_onceflow_run_remote_exactly_once(connect, tmp_path):
     sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--remote", connect.url, str(work / "job.py")],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
+    killed: list[int] = []
+
+    def running() -> list[int]:  # drivers that started and were not killed yet, newest last
+        return [e["pid"] for e in _events(work) if e["event"] == "start" and e["pid"] not in killed]
+
     try:
         for kill in range(2):
+            # The killed driver's query runs on in the server until its lease check stops it,
+            # so commits alone do not say that the standby took over: wait for its start.
+            _wait(lambda: running(), f"a driver to kill ({kill})", sup)
             before = len(ckpt.committed_batches())
             _wait(lambda b=before: len(ckpt.committed_batches()) >= b + 3, f"commits before kill {kill}", sup)
-            driver = [e for e in _events(work) if e["event"] == "start"][-1]["pid"]
-            os.killpg(driver, signal.SIGKILL)
+            killed.append(running()[-1])
+            os.killpg(killed[-1], signal.SIGKILL)
         assert sup.wait(timeout=180) == 0
     finally:
-        if sup.poll() is None:
-            os.killpg(sup.pid, signal.SIGKILL)
+        if sup.poll() is None:  # the supervisor, and its drivers and standby (their own groups)
+            procs.signal_all([*procs.tree(sup.pid), *procs.with_env("WORK", str(work))], signal.SIGKILL)
         out = sup.communicate(timeout=60)[0]
     report = check_delta_table(str(work / "table"), 16000)
     assert report.ok and report.state_errors == 0, (report, out[-3000:])
