@@ -27,7 +27,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.runtime import runner as runner_mod
 from onceflow.runtime.runner import JobRunner
 from onceflow.verify import procs
-from onceflow.verify.clock import faketime_env, libfaketime, set_offset, sleep_shim
+from onceflow.verify.clock import libfaketime, set_offset, sleep_shim
 
 
 class _IdleQuery:
