@@ -133,7 +133,7 @@ def test_sigterm_stops_with_savepoint_then_resume_and_stop_savepoint_again(spark
     # Resume under 'onceflow run --from-savepoint', then 'onceflow stop --savepoint TARGET'.
     # The driver pauses (SIGSTOP) once it has stopped and freed the lease, before it takes the
     # savepoint asked for: 'onceflow stop' must wait for it, not take one into the same target
-    # itself. (It did, when its poll fell in that window: CI, stop 38's own run; the driver
+    # itself. (It did, when its poll fell in that window: a fresh-clone suite run; the driver
     # then failed on the non-empty target, or the stop did.)
     ckpt2 = CheckpointDir(str(tmp_path / "ckpt2"))
     markers = tmp_path / "markers"
