@@ -27,7 +27,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.runtime import runner as runner_mod
 from onceflow.runtime.runner import JobRunner
 from onceflow.verify import procs
-from onceflow.verify.clock import libfaketime, set_offset, sleep_shim
+from onceflow.verify.clock import clock_shim, libfaketime, set_offset
 
 
 class _IdleQuery:
@@ -165,7 +165,7 @@ def test_a_wall_clock_step_back_does_not_stall_the_job(tmp_path):
     standing-by successor (CI, stop 37). Now the runner reads the clock the trigger waits on:
     the JVM's."""
     (tmp_path / "job.py").write_text(JOB)
-    sleep_shim(str(tmp_path))
+    clock_shim(str(tmp_path))
     jvm_clock = str(tmp_path / "faketime-jvm")
     set_offset(jvm_clock, 0)
     env = {**os.environ, "WORK": str(tmp_path), "JVM_FAKETIME": jvm_clock}

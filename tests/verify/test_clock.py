@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
-from onceflow.verify.clock import faketime_env, libfaketime, set_offset, sleep_shim
+from onceflow.verify.clock import clock_shim, faketime_env, libfaketime, set_offset
 
 pytestmark = pytest.mark.skipif(libfaketime() is None or shutil.which("java") is None or shutil.which("cc") is None,
                                 reason="needs libfaketime, java and cc")
@@ -33,7 +34,7 @@ public class Waits { public static void main(String[] a) throws Exception {
 
 @pytest.mark.parametrize("skew", [-300, 300])
 def test_a_jvm_on_a_skewed_clock_waits_and_does_not_spin(tmp_path, skew):
-    sleep_shim(str(tmp_path))
+    clock_shim(str(tmp_path))
     offset = str(tmp_path / "offset")
     set_offset(offset, skew)
     (tmp_path / "Waits.java").write_text(_PROGRAM)
@@ -60,3 +61,41 @@ def test_a_jvm_on_a_skewed_clock_waits_and_does_not_spin(tmp_path, skew):
     # compiling the source takes a few CPU seconds; spinning took 3 s of CPU per second of waiting
     waited_s = elapsed_ms / 1000
     assert cpu < 4 + 0.5 * waited_s, (cpu, waited_s)
+
+
+# librdkafka (confluent-kafka) waits with C11's cnd_timedwait, on a deadline read from the wall
+# clock; five 1 s consumes (no broker needed: each returns empty after its timeout)
+_CONSUMER = """
+import sys
+import time
+from confluent_kafka import Consumer, TopicPartition
+c = Consumer({"bootstrap.servers": "127.0.0.1:1", "group.id": "g", "log_level": 0})
+c.assign([TopicPartition("t", 0, 0)])
+t0 = time.monotonic()
+for _ in range(5):
+    c.consume(num_messages=10, timeout=1.0)
+print(round(time.monotonic() - t0, 2), round(time.time()))
+"""
+
+
+@pytest.mark.parametrize("skew", [-300, 300])
+def test_librdkafka_on_a_skewed_clock_waits_its_timeouts(tmp_path, skew):
+    """Without the shim's ``cnd_timedwait`` conversion, a clock 300 s ahead made each
+    librdkafka wait sleep 300 s in the kernel (a stall no real clock step causes)."""
+    pytest.importorskip("confluent_kafka")
+    clock_shim(str(tmp_path))
+    offset = str(tmp_path / "offset")
+    set_offset(offset, skew)
+    env = {**os.environ, **faketime_env(offset)}
+    started = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", _CONSUMER], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("a 1 s consume did not return within 60 s on the skewed clock") from None
+    assert proc.returncode == 0, err[-2000:]
+    elapsed, wall = (float(x) for x in out.split())
+    assert 4.5 <= elapsed < 15, elapsed
+    assert abs(wall - started - skew) < 60, (wall - started, skew)

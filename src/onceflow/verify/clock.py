@@ -37,15 +37,20 @@ from onceflow.verify.fault_base import Fault, FaultMissed, Harness, can_unshare
 #: libfaketime re-reads its offset file at most this often (seconds)
 CACHE_S = 1
 
-#: libfaketime 0.9.10 with FAKETIME_DONT_FAKE_MONOTONIC=1 fails every absolute
-#: ``clock_nanosleep`` on a monotonic clock with EINVAL, which is how Python 3.11's
-#: ``time.sleep`` sleeps. This shim, preloaded before it, sends monotonic sleeps straight to
-#: the kernel and every other one on to libfaketime.
-_SLEEP_SHIM = r"""
+#: The shim preloaded before libfaketime. (1) libfaketime 0.9.10 with
+#: FAKETIME_DONT_FAKE_MONOTONIC=1 fails every absolute ``clock_nanosleep`` on a monotonic clock
+#: with EINVAL, which is how Python 3.11's ``time.sleep`` sleeps: monotonic sleeps go straight to
+#: the kernel, every other one on to libfaketime. (2) libfaketime converts the deadline of
+#: ``pthread_cond_timedwait`` from the faked clock to the kernel's, but not of C11's
+#: ``cnd_timedwait``, which librdkafka (confluent-kafka) waits with: a deadline read on a clock
+#: 300 s ahead made every librdkafka thread sleep 300 s in the kernel, a stall no real clock step
+#: causes. The shim converts it the same way (deadline minus the faked clock's lead).
+_CLOCK_SHIM = r"""
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <sys/syscall.h>
+#include <threads.h>
 #include <time.h>
 #include <unistd.h>
 int clock_nanosleep(clockid_t clk, int flags, const struct timespec *req, struct timespec *rem) {
@@ -54,6 +59,19 @@ int clock_nanosleep(clockid_t clk, int flags, const struct timespec *req, struct
     int (*next)(clockid_t, int, const struct timespec *, struct timespec *) =
         (int (*)(clockid_t, int, const struct timespec *, struct timespec *))dlsym(RTLD_NEXT, "clock_nanosleep");
     return next(clk, flags, req, rem);
+}
+int cnd_timedwait(cnd_t *cnd, mtx_t *mtx, const struct timespec *deadline) {
+    static int (*next)(cnd_t *, mtx_t *, const struct timespec *);
+    if (!next)
+        next = (int (*)(cnd_t *, mtx_t *, const struct timespec *))dlsym(RTLD_NEXT, "cnd_timedwait");
+    struct timespec faked, real, at;
+    clock_gettime(CLOCK_REALTIME, &faked);                /* through libfaketime */
+    syscall(SYS_clock_gettime, CLOCK_REALTIME, &real);    /* the kernel's */
+    long long ns = (long long)deadline->tv_sec * 1000000000LL + deadline->tv_nsec
+        - ((long long)(faked.tv_sec - real.tv_sec) * 1000000000LL + (faked.tv_nsec - real.tv_nsec));
+    at.tv_sec = ns / 1000000000LL;
+    at.tv_nsec = ns % 1000000000LL;
+    return next(cnd, mtx, &at);
 }
 """
 
@@ -68,25 +86,25 @@ def libfaketime() -> str | None:
     return None
 
 
-def sleep_shim(workdir: str) -> str:
-    """Build (once per work directory) the monotonic-sleep shim; returns its path."""
-    out = os.path.join(workdir, "monotonic-sleep.so")
+def clock_shim(workdir: str) -> str:
+    """Build (once per work directory) the shim preloaded before libfaketime; returns its path."""
+    out = os.path.join(workdir, "clock-shim.so")
     if not os.path.exists(out):
         src = out[:-3] + ".c"
         with open(src, "w") as f:
-            f.write(_SLEEP_SHIM)
+            f.write(_CLOCK_SHIM)
         res = subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", out, src, "-ldl"], capture_output=True, text=True)
         if res.returncode != 0:
-            raise ConfigError(f"verify: clock_skew could not build its sleep shim: {res.stderr.strip()[-300:]}")
+            raise ConfigError(f"verify: clock_skew could not build its clock shim: {res.stderr.strip()[-300:]}")
     return out
 
 
 def faketime_env(offset_file: str) -> dict[str, str]:
     """Environment that runs a process tree on ``offset_file``'s clock (``+300s``, ``-300s``);
-    the sleep shim (:func:`sleep_shim`) must have been built in the file's directory."""
+    the shim (:func:`clock_shim`) must have been built in the file's directory."""
     lib = libfaketime()
     assert lib is not None
-    shim = os.path.join(os.path.dirname(offset_file), "monotonic-sleep.so")
+    shim = os.path.join(os.path.dirname(offset_file), "clock-shim.so")
     preload = " ".join(p for p in (shim, lib, os.environ.get("LD_PRELOAD", "")) if p)
     return {"LD_PRELOAD": preload, "FAKETIME_TIMESTAMP_FILE": offset_file,
             "FAKETIME_CACHE_DURATION": str(CACHE_S), "FAKETIME_DONT_FAKE_MONOTONIC": "1",
@@ -111,7 +129,7 @@ class ClockSkew(Fault):
         if libfaketime() is None:
             return "needs libfaketime (Debian/Ubuntu: apt-get install faketime) to skew a host's clock"
         if shutil.which("cc") is None:
-            return "needs a C compiler (cc) to build a small sleep shim libfaketime 0.9.10 needs"
+            return "needs a C compiler (cc) to build the small clock shim libfaketime 0.9.10 needs"
         if not can_unshare("--pid", "--fork", "--mount-proc", "--uts"):
             return ("needs unshare(1) allowed to make PID and UTS namespaces (root) for the successor "
                     "host (its own PID namespace and host name)")

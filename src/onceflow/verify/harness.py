@@ -29,7 +29,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from onceflow.checkpoint.eventlog import EventLog
 from onceflow.errors import ConfigError, OnceflowError
 from onceflow.verify import netfaults, procs, setup
-from onceflow.verify.clock import faketime_env, set_offset, sleep_shim
+from onceflow.verify.clock import clock_shim, faketime_env, set_offset
 from onceflow.verify.exactly_once import Report, check_events, check_upserts
 from onceflow.verify.faults import FAULTS, FaultMissed
 from onceflow.verify.readers import dangling, delta_decided, iceberg_decided, read_output
@@ -218,7 +218,7 @@ class Harness:
         with setup.environment(self.spec, self.options, self.console), \
                 netfaults.proxies(self.spec, self.options) as self.proxies:
             if self.faketime_file:
-                sleep_shim(self.spec.workdir)
+                clock_shim(self.spec.workdir)
                 set_offset(self.faketime_file, 0)
             self.log = EventLog(self.spec.checkpoint)
             self.start_supervisor()
