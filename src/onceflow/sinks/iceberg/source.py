@@ -26,11 +26,12 @@ metadata it read: its commit requires ``main`` to still be at the snapshot it wa
 any commit in between (a successor's epoch, another writer's append) makes it fail with
 ``CommitFailedException``, and the check runs again on the new metadata. pyiceberg's own retry,
 which would rebase the snapshot onto the new metadata without that check, is turned off
-(:class:`_CheckedTransaction`).
+(:func:`_checked_transaction`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import OrderedDict
@@ -40,14 +41,13 @@ from typing import Any
 import pyarrow.parquet as pq
 from pyspark.sql.types import StructType
 
-try:
+try:  # pyiceberg.table (about 0.5 s) is imported where a driver commits, not by every task
     from pyiceberg.exceptions import (
         CommitFailedException,
         CommitStateUnknownException,
         NoSuchTableError,
         TableAlreadyExistsError,
     )
-    from pyiceberg.table import Transaction
 except ModuleNotFoundError as e:  # an ImportError still: the sink registry skips this sink
     raise ModuleNotFoundError(f"onceflow's Iceberg sink needs pyiceberg ({e}): "
                               "pip install 'onceflow[iceberg]'", name=e.name) from None
@@ -94,8 +94,9 @@ _DECIDED_KEPT = 1000  # batches whose files a late writer's orphans are checked 
 _DECIDED: dict[tuple[str, str, int | None], OrderedDict[int, frozenset[str]]] = {}
 
 
-class _CheckedTransaction(Transaction):
-    """A pyiceberg transaction that commits on top of its base metadata or not at all.
+@functools.cache
+def _checked_transaction() -> type:
+    """A pyiceberg transaction class that commits on top of its base metadata or not at all.
 
     pyiceberg (>= 0.12) retries a commit that lost a race by rebuilding its snapshot on the new
     metadata; that would skip onceflow's fence and decided-batch check, which must see the
@@ -103,9 +104,13 @@ class _CheckedTransaction(Transaction):
     (pyiceberg then deletes the attempt's manifests), and :meth:`IcebergDataSource.decide`
     re-reads and re-checks. pyiceberg's check that an earlier attempt of this very
     transaction landed (a lost reply within the retry) still runs first."""
+    from pyiceberg.table import Transaction
 
-    def _rebuild_snapshot_updates(self) -> None:
-        raise CommitFailedException("onceflow: the table changed; the fence is checked again first")
+    class CheckedTransaction(Transaction):
+        def _rebuild_snapshot_updates(self) -> None:
+            raise CommitFailedException("onceflow: the table changed; the fence is checked again first")
+
+    return CheckedTransaction
 
 
 class IcebergDataSource(TwoPhaseCommitSink):
@@ -326,7 +331,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
         """One conditional commit on top of exactly ``table``'s metadata: a snapshot adding
         ``files`` (names in ``data/``) with this summary, and the lineage's state property.
         CommitFailedException when anything was committed since ``table`` was loaded."""
-        tx = _CheckedTransaction(table)
+        tx = _checked_transaction()(table)
         tx.set_properties({state_key(self.sink_id, lineage): state.as_property()})
         if files:
             location = table.location().rstrip("/")
@@ -423,7 +428,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
             if change.upserts.num_rows:
                 write(0, change.upserts)
             files = [parquet_file_to_data_file(table.io, table.metadata, f"{location}/data/{n}") for n in added]
-            tx = _CheckedTransaction(table)
+            tx = _checked_transaction()(table)
             tx.set_properties({state_key(self.sink_id, decision.lineage):
                                LineageState(decision.epoch, decision.batch_id).as_property()})
             producer = tx.update_snapshot(snapshot_properties=summary | {OUTPUTS: json.dumps(added)})
