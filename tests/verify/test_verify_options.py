@@ -7,6 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from onceflow.cli.main import main
+from onceflow.verify.fault_base import stream_seconds
+from onceflow.verify.faults import FAULTS
 from onceflow.verify.harness import Harness, Options
 from onceflow.verify.spec import VerifySpec
 
@@ -53,3 +55,17 @@ def test_refuses_to_wipe_a_directory_it_did_not_create(tmp_path):
     result = CliRunner().invoke(main, ["verify", "--dir", str(tmp_path / "mine")])
     assert result.exit_code == 2 and "is not a verify work directory" in result.output
     assert (tmp_path / "mine" / "thesis.tex").exists()
+
+
+def test_the_default_stream_has_room_for_every_scheduled_fault(tmp_path):
+    """Before: ``rate × (30 + 40 × count)`` whatever the kinds; five clock_skew faults (about 75 s
+    of stream each: a successor's start, the held skew, a recovery) on a Kafka source ran out of
+    stream after four, an INCONCLUSIVE run from the defaults."""
+    assert stream_seconds(FAULTS, ["clock_skew"], 5) == 5 * FAULTS["clock_skew"].stream_s >= 5 * 80
+    kinds = ["driver_kill", "clock_skew", "container_restart", "zombie"]
+    room = stream_seconds(FAULTS, kinds, 6)
+    for seed in range(40):
+        plan = Harness(_spec(tmp_path), Options(faults=list(kinds), count=6, seed=seed)).schedule()
+        assert sum(FAULTS[k].stream_s for k, _ in plan) <= room
+    assert room > 6 * 40  # more than the old sizing gave
+    assert stream_seconds(FAULTS, ["driver_kill"], 3) == 120 and stream_seconds(FAULTS, [], 3) == 0

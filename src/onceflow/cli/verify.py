@@ -14,6 +14,7 @@ from rich.console import Console
 
 from onceflow.errors import OnceflowError
 from onceflow.extras import require
+from onceflow.verify.fault_base import stream_seconds
 from onceflow.verify.faults import FAULTS
 from onceflow.verify.spec import SINKS, SOURCES
 
@@ -47,7 +48,7 @@ EXIT_INCONCLUSIVE = 3
 @click.option("--count", default=6, show_default=True, type=click.IntRange(0), help="How many faults.")
 @click.option("--seed", type=int, default=None, help="Seed of the fault schedule (printed when chosen at random).")
 @click.option("--events", type=click.IntRange(1000), default=None,
-              help="Event ids 0..N-1 (default: enough for the faults at --rate).")
+              help="Event ids 0..N-1 (default: enough for the faults at --rate: 40-90 s of stream each, by kind).")
 @click.option("--rate", default=10_000, show_default=True, type=click.IntRange(100), help="Events per second.")
 @click.option("--partitions", default=2, show_default=True, type=click.IntRange(1))
 @click.option("--master", default="local[2]", show_default=True,
@@ -109,8 +110,8 @@ def verify(source, sink, faults, count, seed, events, rate, partitions, master, 
         if os.path.ismount(os.path.join(workdir, "checkpoint-fs")):
             subprocess.run(["umount", "-l", os.path.join(workdir, "checkpoint-fs")], capture_output=True)
         shutil.rmtree(workdir)
-    if events is None:  # room for each fault: a standby warm-up, the gap, a recovery (busy machine)
-        events = rate * max(30, 30 + count * 40)
+    if events is None:  # room for each fault: a standby warm-up, the gap, the fault, a recovery
+        events = int(rate * (30 + stream_seconds(FAULTS, kinds, count)))
     spec = VerifySpec(workdir=workdir, name=uuid.uuid4().hex[:8], source=source, sink=sink, events=events,
                       rate=rate, partitions=partitions, master=master, postgres=postgres, kafka=kafka)
     options = Options(faults=kinds, count=count if kinds else 0, seed=seed, gap=gap, outage_s=outage_s,

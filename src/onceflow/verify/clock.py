@@ -124,6 +124,7 @@ _STANDING = re.compile(r"standing by: pid|which this host cannot check")
 class ClockSkew(Fault):
     name, help = "clock_skew", ("jump the job host's or a standing-by successor host's wall clock "
                                 "by --skew-s (forward or back), hold, reset (libfaketime)")
+    stream_s = 90
 
     def unavailable(self, h: Harness) -> str | None:
         if libfaketime() is None:

@@ -60,6 +60,9 @@ class Fault(ABC):
     help: ClassVar[str]
     #: the fault ends the active driver (its next commit comes from another process)
     kills_driver: ClassVar[bool] = False
+    #: seconds of stream one injection takes on a busy machine (a standby's warm-up, the gap,
+    #: the fault itself, a recovery): verify's default ``--events`` (:func:`stream_seconds`)
+    stream_s: ClassVar[float] = 40
 
     def unavailable(self, h: Harness) -> str | None:
         """Why this fault cannot run in this setup, or None."""
@@ -68,6 +71,17 @@ class Fault(ABC):
     @abstractmethod
     def inject(self, h: Harness) -> str:
         """Inject the fault; return what it hit. Raises :class:`FaultMissed` when no target."""
+
+
+def stream_seconds(faults: dict[str, Fault], kinds: list[str], count: int) -> float:
+    """Seconds of stream ``count`` faults of ``kinds`` take, at most, in any seeded order (each
+    round of the schedule has every kind once; a partial last round is counted with the
+    slowest kinds)."""
+    if not kinds or count <= 0:
+        return 0.0
+    secs = sorted((faults[k].stream_s for k in kinds if k in faults), reverse=True) or [Fault.stream_s]
+    rounds, rest = divmod(count, len(secs))
+    return rounds * sum(secs) + sum(secs[:rest])
 
 
 class FaultMissed(Exception):

@@ -156,6 +156,7 @@ class PgRestart(_Command):
 
 class PgDown(_Command):
     name, help = "pg_down", "PostgreSQL down for longer than the sink's commit deadline"
+    stream_s = 70
     stop_opt, start_opt = "pg_stop", "pg_start"
 
     def inject(self, h: Harness) -> str:
@@ -165,6 +166,7 @@ class PgDown(_Command):
 
 class BrokerRestart(_Command):
     name, help = "broker_restart", "restart the Kafka broker, graceful or killed (its log must survive)"
+    stream_s = 70
     stop_opt, start_opt = "broker_stop", "broker_start"
 
     def inject(self, h: Harness) -> str:
@@ -178,6 +180,7 @@ class DiskFull(Fault):
     fail with ENOSPC, hold it full, then free the space."""
 
     name, help = "disk_full", "fill the checkpoint filesystem, hold it full, free it"
+    stream_s = 70
 
     def unavailable(self, h: Harness) -> str | None:
         if not h.options.checkpoint_fs:
@@ -222,6 +225,7 @@ class ContainerRestart(Fault):
 
     name, help = "container_restart", ("SIGKILL the job's whole process tree; restart it in a fresh "
                                        "PID namespace with the same host name")
+    stream_s = 75
     kills_driver = True
 
     def unavailable(self, h: Harness) -> str | None:
@@ -244,6 +248,7 @@ class StoreOutage(Fault):
     and the lease fails, then works again."""
 
     name, help = "store_outage", "make the checkpoint filesystem read-only past the lease, then writable"
+    stream_s = 70
 
     def unavailable(self, h: Harness) -> str | None:
         if not h.options.checkpoint_fs:

@@ -59,6 +59,7 @@ def proxies(spec: VerifySpec, options: Options) -> Iterator[dict[str, FaultProxy
 class NetPartition(Fault):
     name, help = "net_partition", ("reset every job connection to PostgreSQL and refuse new ones for "
                                    "--outage-s, then heal (a TCP fault proxy)")
+    stream_s = 70
 
     def unavailable(self, h: Harness) -> str | None:
         return _needs_postgres(h, self.name)
@@ -72,6 +73,7 @@ class NetPartition(Fault):
 class LostReply(Fault):
     name, help = "lost_reply", ("forward a commit to PostgreSQL and drop its answer with the "
                                 "connection (the server acted, the job never heard)")
+    stream_s = 60
 
     def unavailable(self, h: Harness) -> str | None:
         return _needs_postgres(h, self.name)

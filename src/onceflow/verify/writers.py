@@ -87,6 +87,7 @@ class _Iceberg:
 class ConcurrentWriter(Fault):
     name, help = "concurrent_writer", ("another writer appends rows to the sink's Delta or Iceberg table "
                                        "for --outage-s seconds, racing the job's commits")
+    stream_s = 60
 
     def unavailable(self, h: Harness) -> str | None:
         if h.spec.sink not in TABLE_SINKS:
