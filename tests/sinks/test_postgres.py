@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import time
 import uuid
@@ -241,6 +242,7 @@ def test_type_mapping_and_values_round_trip(spark, pg, tmp_path, with_decimal):
 
 
 KILL_JOB = """
+import logging
 import os
 from onceflow import CheckpointConfig, Job, PostgresSink, fixed_delay
 
@@ -836,9 +838,11 @@ def test_a_paused_drivers_locks_do_not_block_the_successor(pg, tmp_path):
         proc.wait()
 
 
-def test_unreachable_server_is_a_sink_error_in_every_step(pg):
+def test_unreachable_server_is_a_sink_error_in_every_step(pg, caplog):
     """open (epoch), recovery, decision look-up, decide and commit of an unreachable server raise
-    a one-line SinkError naming host:port, never ConfigError and never the password."""
+    a one-line SinkError naming host:port, never ConfigError and never the password; every retry
+    before it logged one line saying what waits and why (before: retries were silent, and a
+    verify run through a network partition left no trace of it in the job's log)."""
     dead = PostgresSink(f"postgresql://postgres:{pg.password}@127.0.0.1:1/postgres", table="t", commit_deadline=0.5)
     source = dead.data_source({"epoch": "3"})
     lineage = str(uuid.uuid4())
@@ -850,11 +854,15 @@ def test_unreachable_server_is_a_sink_error_in_every_step(pg):
         "commit": lambda: source.commit(Decision(lineage, 1, "fp", [{"gid": "g", "xid": 1}], 3)),
     }
     for purpose, step in steps.items():
-        with pytest.raises(SinkError) as e:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="onceflow.sinks.postgres"), pytest.raises(SinkError) as e:
             step()
         msg = str(e.value)
         assert f"{purpose} failed: PostgreSQL at 127.0.0.1:1/postgres unreachable" in msg, msg
         assert "\n" not in msg and pg.password not in msg
+        retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+        assert retries and all(f"{purpose} at 127.0.0.1:1/postgres failed (" in m and "Connection refused" in m
+                               and "\n" not in m and pg.password not in m for m in retries), caplog.text
 
 
 # ---- upsert constraints and the staging table ---------------------------------------------------

@@ -7,13 +7,15 @@ one (sink, lineage), which is how a new epoch finds and terminates an older driv
 per (server, credentials, thread) and reused; it goes back for reuse only when its block
 succeeded and left no transaction open, and is renamed when reused for another lineage or
 epoch. :meth:`Sessions._retrying` retries a failed or dropped connection with back-off until
-``commit_deadline``, then raises SinkError (an outage: the restart strategy waits it out); a
+``commit_deadline`` (one warning line per retry: what failed, why, when it is tried again),
+then raises SinkError (an outage: the restart strategy waits it out); a
 server that refuses the credentials or the database raises ConfigError at once. Messages name
 ``host:port/db`` on one line, never the password.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ from onceflow.errors import ConfigError, SinkError
 from onceflow.sinks.postgres.dsn import FORMAT, scrub
 from onceflow.sinks.postgres.fence import app_name
 
+log = logging.getLogger("onceflow.sinks.postgres")
 _R = TypeVar("_R")
 #: idle connections kept for reuse, one per (server, credentials, thread) in this process
 _IDLE: dict[tuple[str, str | None, int], psycopg.Connection] = {}
@@ -70,11 +73,20 @@ class Sessions:
     def _safe(self, e: BaseException) -> str:
         return scrub(str(e), self.password)
 
-    def _retry(self) -> Retrying:
+    def _retry(self, purpose: str) -> Retrying:
+        """Retries of ``purpose`` until commit_deadline, one warning line per retry."""
+
+        def before_sleep(state) -> None:
+            first = self._safe(state.outcome.exception()).strip().splitlines() or ["?"]
+            log.warning("%s: %s at %s failed (%s); retry %d in %.1f s (gives up after commit_deadline, %gs)",
+                        FORMAT, purpose, self.where, first[0][:200], state.attempt_number,
+                        state.next_action.sleep, self.commit_deadline)
+
         return Retrying(
             retry=retry_if_exception_type(psycopg.OperationalError),
             stop=stop_after_delay(self.commit_deadline),
             wait=wait_exponential(multiplier=0.2, max=3),
+            before_sleep=before_sleep,
             reraise=True,
         )
 
@@ -122,7 +134,7 @@ class Sessions:
         """Run ``fn`` on a session (see :meth:`_session`); retry connection failures until
         commit_deadline, then raise SinkError naming ``purpose``."""
         try:
-            for attempt in self._retry():
+            for attempt in self._retry(purpose):
                 with attempt, self._session(role, lineage, epoch) as conn:
                     return fn(conn)
         except psycopg.OperationalError as e:
