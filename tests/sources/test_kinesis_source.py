@@ -5,6 +5,7 @@ PostgreSQL two_phase under ``onceflow run`` with driver SIGKILLs at random momen
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import signal
@@ -467,3 +468,19 @@ def test_lag_per_shard_is_in_the_progress_and_the_metrics(spark, kinesalite, str
     assert {shard for (_, shard) in m.lag_ms} == shards
     family = next(f for f in list(metrics.Collector(m).collect()) if f.name == "onceflow_source_lag_seconds")
     assert min(s.value for s in family.samples) >= 1.5
+
+
+def test_each_retry_of_an_unreachable_endpoint_is_one_log_line(caplog):
+    """Before: connection errors were retried silently until the last attempt's SourceError."""
+    from onceflow.errors import SourceError
+    from onceflow.sources.kinesis.client import call, client
+    from onceflow.sources.kinesis.options import parse_options
+
+    s = parse_options({"streams": "s", "endpointUrl": "http://127.0.0.1:1", "region": "us-east-1",
+                       "awsAccessKeyId": "k", "awsSecretAccessKey": "test-secret-value",
+                       "requestTimeoutMs": "1000", "maxRetries": "3"})
+    with caplog.at_level(logging.WARNING, logger="onceflow.sources.kinesis"), pytest.raises(SourceError):
+        call(s, "ListShards", client(s).list_shards, StreamName="s")
+    retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    assert len(retries) == 2, caplog.text
+    assert all("ListShards on http://127.0.0.1:1 failed (" in m and "test-secret-value" not in m for m in retries)

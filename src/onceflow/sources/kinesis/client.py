@@ -4,7 +4,8 @@ Guarantees:
 - Throttling (``ProvisionedThroughputExceededException``, ``LimitExceededException``) and
   transient failures (connection errors, 5xx) are retried with exponential back-off and jitter
   (tenacity, up to ``maxRetries`` attempts; botocore's own retries are off so every attempt is
-  seen); each throttled attempt is counted in :data:`THROTTLED` and logged.
+  seen); each throttled attempt is counted in :data:`THROTTLED` and logged, every other retry
+  is logged as one line too (what failed, why, which retry, when).
 - Errors become one line saying what is wrong and what to do; credentials never appear in
   them (botocore does not put secrets in its messages, and nothing here prints settings).
 """
@@ -119,9 +120,16 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
             return code in TRANSIENT_CODES or status >= 500
         return isinstance(e, ConnectionError | ReadTimeoutError)
 
+    def before_sleep(state) -> None:
+        e = state.outcome.exception()
+        if isinstance(e, ClientError) and error_code(e) in THROTTLE_CODES:
+            return  # logged (and counted) as a throttle by retryable()
+        log.warning("%s: %s on %s failed (%s); retry %d of %d in %.1f s", NAME, what, s.where,
+                    one_line(e), state.attempt_number, s.max_retries - 1, state.next_action.sleep)
+
     retrying = Retrying(retry=retry_if_exception(retryable), stop=stop_after_attempt(s.max_retries),
                         wait=wait_exponential(multiplier=0.1, max=5.0) + wait_random(0, 0.1),
-                        reraise=False)
+                        before_sleep=before_sleep, reraise=False)
     try:
         return retrying(fn, **kwargs)
     except RetryError as e:
