@@ -106,3 +106,35 @@ def test_the_sink_takes_turns_on_a_broker_whose_probe_is_skipped_or_when_told():
     assert not serialized(serialize_commits=True, mode="at_least_once")  # no transactions
     with pytest.raises(ConfigError, match="serialize_commits='maybe'; use 'auto', 'true' or 'false'"):
         serialized(extra={"serialize_commits": "maybe"})
+
+
+def test_the_turns_travel_with_the_writer_to_sparks_python_workers(spark):
+    """Spark ships the stream writer, and the sink in it, to its Python workers by pickling;
+    ``__init__`` does not run there. Before, only the driver's ends took turns and tasks of
+    one batch committed their transactions at once in the workers (the wedge of CI, stop 39)."""
+    from pyspark import cloudpickle
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    from onceflow.sinks.base import TwoPhaseCommitWriter
+    from onceflow.sinks.kafka import KafkaSink
+
+    schema = StructType([StructField("value", StringType())])
+
+    def guarded(**kw) -> bool:
+        name = f"turns-test-{uuid.uuid4().hex[:8]}:9092"  # never registered in any worker before
+        writer = TwoPhaseCommitWriter(KafkaSink(name, "t", **kw).data_source({}), schema, False)
+        producers._END_GUARDS.pop(name, None)  # the driver's registration proves nothing here
+        blob = cloudpickle.dumps(writer)
+
+        def in_task(_):
+            import pickle
+
+            from onceflow.sinks.kafka import producers as worker_producers
+
+            pickle.loads(blob)
+            yield name in worker_producers._END_GUARDS
+
+        return spark.sparkContext.parallelize([0], 1).mapPartitions(in_task).collect() == [True]
+
+    assert guarded(serialize_commits=True)
+    assert not guarded(serialize_commits=False)

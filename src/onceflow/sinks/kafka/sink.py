@@ -106,7 +106,9 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         serial = o.get("serialize_commits", "auto").lower()
         if serial not in ("auto", "true", "false"):
             raise ConfigError(f"{FORMAT}: serialize_commits={serial!r}; use 'auto', 'true' or 'false'")
-        if (serial == "true" or (serial == "auto" and self.skip_probe)) and self.mode == "exactly_once":
+        self.serialized = self.mode == "exactly_once" and (
+            serial == "true" or (serial == "auto" and self.skip_probe))
+        if self.serialized:
             serialize(self.bootstrap)
         self.timeout = seconds_option(o, "timeout", 60.0)
         try:
@@ -138,6 +140,13 @@ class KafkaSinkDataSource(TwoPhaseCommitSink):
         }
         if self.mode == "exactly_once":
             self.conf["transaction.timeout.ms"] = int(self.transaction_timeout * 1000)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled in a Spark Python worker (the writer ships the sink there): the ends of its
+        task transactions take turns as the driver's do (``__init__`` does not run there)."""
+        self.__dict__.update(state)
+        if state.get("serialized"):
+            serialize(self.bootstrap)
 
     def __repr__(self) -> str:
         return f"KafkaSinkDataSource({self.bootstrap}, topic={self.topic}, mode={self.mode}, sink_id={self.sink_id})"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import tempfile
 import time
@@ -36,6 +37,8 @@ from contextlib import contextmanager
 
 from onceflow.process import is_stopped
 from onceflow.sinks.kafka.producers import guard_ends
+
+log = logging.getLogger("onceflow.sinks.kafka")
 
 #: the longest an end waits for its turn before it goes ahead alone
 TURN_WAIT_S = 5.0
@@ -78,7 +81,11 @@ def _take(fd: int) -> bool:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if is_stopped(_holder(fd)) or time.monotonic() > deadline:
+            holder = _holder(fd)
+            if is_stopped(holder) or time.monotonic() > deadline:
+                why = "is stopped" if is_stopped(holder) else f"held the turn over {TURN_WAIT_S:g}s"
+                log.warning("onceflow-kafka-sink: a transaction end goes ahead without its turn: "
+                            "pid %s %s (serialize_commits)", holder, why)
                 return False
             time.sleep(0.002)
             continue
