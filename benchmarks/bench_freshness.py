@@ -21,8 +21,9 @@ every 20 ms (``SELECT id ... WHERE id >= smallest unseen``) and stamps each id w
 event is visible (the writer runs: no backlog at the start); events created in the first
 ``--warmup`` seconds are not counted (query start-up, first batches). Prints, per writer, the
 p50/p99/max latency from creation and from the acknowledgement, and the throughput seen by the
-watcher; the exactly-once p99 over the at-least-once p99 of the same run; and checks that every
-counted event became visible (exactly once for onceflow).
+watcher; the median of Spark's per-batch ``durationMs`` phases (where a batch's time goes); the
+exactly-once p99 over the at-least-once p99 of the same run; and checks that every counted event
+became visible (exactly once for onceflow).
 """
 
 from __future__ import annotations
@@ -151,7 +152,39 @@ def at_least_once_job(spark, bootstrap: str, topic: str, dsn: str, table: str, c
     q.stop()
 
 
-def measure(name: str, runner, spark, broker: KafkaBroker, pg: PgCluster, args, root: str) -> dict:
+class Phases:
+    """Spark's per-batch ``durationMs`` (a query listener), kept while ``on`` is set: where a
+    micro-batch's time goes (triggerExecution = the whole batch; addBatch = the sink)."""
+
+    def __init__(self, spark) -> None:
+        from pyspark.sql.streaming import StreamingQueryListener
+
+        self.on, self.batches = False, []
+        outer = self
+
+        class Listener(StreamingQueryListener):
+            def onQueryStarted(self, event) -> None:
+                pass
+
+            def onQueryProgress(self, event) -> None:
+                if outer.on and event.progress.numInputRows > 0:
+                    outer.batches.append(dict(event.progress.durationMs))
+
+            def onQueryIdle(self, event) -> None:
+                pass
+
+            def onQueryTerminated(self, event) -> None:
+                pass
+
+        spark.streams.addListener(Listener())
+
+    def medians(self) -> dict[str, float]:
+        keys = sorted({k for b in self.batches for k in b})
+        return {k: float(np.median([b.get(k, 0) for b in self.batches])) for k in keys}
+
+
+def measure(name: str, runner, spark, broker: KafkaBroker, pg: PgCluster, args, root: str,
+            phases: Phases) -> dict:
     topic, table = f"fresh-{uuid.uuid4().hex[:6]}", f"fresh_{uuid.uuid4().hex[:6]}"
     create_topic(broker.bootstrap, topic, args.partitions)
     total = args.rate * args.seconds
@@ -171,7 +204,10 @@ def measure(name: str, runner, spark, broker: KafkaBroker, pg: PgCluster, args, 
     time.sleep(2)
     threading.Thread(target=produce, args=(broker.bootstrap, topic, args.rate, args.seconds, acks, created,
                                            produced), daemon=True).start()
+    time.sleep(args.warmup)
+    phases.on, phases.batches = True, []
     produced.wait(args.seconds + 120)
+    phases.on = False
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not seen[:total].all():
         time.sleep(0.2)
@@ -191,7 +227,8 @@ def measure(name: str, runner, spark, broker: KafkaBroker, pg: PgCluster, args, 
     return {"writer": name, "events": int(counted.sum()), "missing": int((~ok).sum()), "rows": rows - 1,
             "duplicates": rows - distinct, "throughput": ok.sum() / span if span else 0.0,
             "created_ms": np.percentile(from_created, [50, 99, 100]) if ok.any() else [np.nan] * 3,
-            "ack_ms": np.percentile(from_ack, [50, 99, 100]) if acked.any() else [np.nan] * 3}
+            "ack_ms": np.percentile(from_ack, [50, 99, 100]) if acked.any() else [np.nan] * 3,
+            "batches": len(phases.batches), "phases": phases.medians()}
 
 
 def main() -> None:
@@ -210,8 +247,10 @@ def main() -> None:
     spark = get_spark("local[2]", "bench-freshness")
     try:
         with KafkaBroker() as broker:
-            results = [measure("onceflow two_phase", onceflow_job, spark, broker, pg, args, root),
-                       measure("at-least-once foreachBatch+COPY", at_least_once_job, spark, broker, pg, args, root)]
+            phases = Phases(spark)
+            results = [measure("onceflow two_phase", onceflow_job, spark, broker, pg, args, root, phases),
+                       measure("at-least-once foreachBatch+COPY", at_least_once_job, spark, broker, pg, args,
+                               root, phases)]
     finally:
         spark.stop()
         pg.destroy()
@@ -223,6 +262,10 @@ def main() -> None:
         c, a = r["created_ms"], r["ack_ms"]
         print(f"{r['writer']:34} {r['events']:>8,} {r['missing']:>7} {r['duplicates']:>5} {r['throughput']:>7,.0f}  "
               f"{c[0]:>10,.0f}/{c[1]:>8,.0f}/{c[2]:>8,.0f}  {a[0]:>10,.0f}/{a[1]:>8,.0f}/{a[2]:>8,.0f}")
+    print("median milliseconds per micro-batch with input (Spark's durationMs; triggerExecution is the whole batch):")
+    for r in results:
+        shown = ", ".join(f"{k} {v:,.0f}" for k, v in r["phases"].items() if v >= 1)
+        print(f"  {r['writer']:34} {r['batches']:>4} batches: {shown}")
     eo, alo = results[0]["ack_ms"][1], results[1]["ack_ms"][1]
     print(f"exactly-once p99 / at-least-once p99 (from the ack): {eo / alo:.2f}x")
     sys.exit(0 if results[0]["missing"] == 0 and results[0]["duplicates"] == 0 else 1)
