@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -98,3 +99,75 @@ def test_test_module_names_are_unique():
     tests = pathlib.Path(__file__).resolve().parent
     names = collections.Counter(p.name for p in tests.rglob("test_*.py"))
     assert [n for n, c in names.items() if c > 1] == []
+
+
+# A Python process with only the core install and deltalake (what ./setup.sh installs for the
+# README's first command): every other extra's modules are absent, as pip leaves them.
+SETUP_SH_ONLY = """
+import importlib.abc, importlib.util, json, sys
+from onceflow.extras import EXTRAS
+
+absent = {m for extra, mods in EXTRAS.items() for m in mods} - {"deltalake"}
+absent |= {"botocore", "aiobotocore"}
+
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in absent:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, Absent())
+find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: (
+    None if name.split(".")[0] in absent else find_spec(name, package))
+
+import click
+import onceflow
+from onceflow.cli.main import main
+
+out = {}
+for name in onceflow.__all__:
+    try:
+        getattr(onceflow, name)
+        out[name] = "ok"
+    except ImportError as e:
+        out[name] = str(e)
+
+
+def helps(group, prefix):
+    for name, cmd in sorted(group.commands.items()):
+        if cmd.hidden:
+            continue
+        args = [*prefix, name, "--help"]
+        try:
+            main.main(args, standalone_mode=False)
+            out[" ".join(args)] = "ok"
+        except BaseException as e:  # noqa: BLE001
+            out[" ".join(args)] = f"{type(e).__name__}: {e}"
+        if isinstance(cmd, click.Group):
+            helps(cmd, [*prefix, name])
+
+
+helps(main, [])
+sys.stdout.flush()
+print(json.dumps(out))
+"""
+
+
+def test_the_cli_and_the_api_load_with_what_setup_sh_installs():
+    """``./setup.sh && .venv/bin/onceflow demo`` (the README's first line) installs the core and
+    deltalake only. Before, ``onceflow`` itself failed there with an ImportError of psycopg
+    (verify's fault list imported it for the CLI's options): every command's help must load,
+    and each sink of a missing extra must say which extra to install."""
+    r = subprocess.run([sys.executable, "-c", SETUP_SH_ONLY], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    commands = {k: v for k, v in out.items() if k.endswith("--help")}
+    assert len(commands) >= 10 and {"demo --help", "verify --help", "run --help"} <= set(commands)
+    assert {k: v for k, v in commands.items() if v != "ok"} == {}
+    assert out["PostgresSink"] == ("onceflow's PostgreSQL sink (PostgresSink) needs psycopg: "
+                                   "pip install 'onceflow[postgres]'")
+    assert out["IcebergSink"].endswith("pip install 'onceflow[iceberg]'")
+    assert out["DeltaSink"] == out["KafkaSink"] == out["Job"] == "ok"

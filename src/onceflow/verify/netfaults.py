@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
 from onceflow.verify.fault_base import Fault, FaultMissed, Harness
 from onceflow.verify.proxy import FaultProxy
 from onceflow.verify.spec import Options, VerifySpec
@@ -41,6 +39,8 @@ def proxies(spec: VerifySpec, options: Options) -> Iterator[dict[str, FaultProxy
     found: dict[str, FaultProxy] = {}
     try:
         if any(f in PROXIED for f in options.faults) and spec.sink.startswith("postgres") and spec.postgres:
+            from psycopg.conninfo import conninfo_to_dict, make_conninfo  # the verify extra
+
             params = conninfo_to_dict(spec.postgres)
             host = str(params.get("host") or "127.0.0.1")
             if host.startswith("/"):

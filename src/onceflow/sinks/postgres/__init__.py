@@ -32,13 +32,17 @@ driver's protocol steps), :mod:`.task` (a task's pre-commit, its lock timeout), 
 The password (in the DSN or the ``password`` option) never appears in errors, logs or ``repr``.
 """
 
-from onceflow.sinks.postgres.copy import STAGE_COLUMNS, _copy, encode_binary
-from onceflow.sinks.postgres.dsn import FORMAT, mask_dsn, split_dsn, where
-from onceflow.sinks.postgres.sink import PostgresSink
-from onceflow.sinks.postgres.source import GID, PostgresDataSource
-from onceflow.sinks.postgres.stage import stage_tables
-from onceflow.sinks.postgres.task import SLOT_RULE
-from onceflow.sinks.postgres.types import pg_type
+from onceflow.extras import require
+
+require("postgres", "onceflow's PostgreSQL sink (PostgresSink)")  # one line, before any psycopg import
+
+from onceflow.sinks.postgres.copy import STAGE_COLUMNS, _copy, encode_binary  # noqa: E402
+from onceflow.sinks.postgres.dsn import FORMAT, mask_dsn, split_dsn, where  # noqa: E402
+from onceflow.sinks.postgres.sink import PostgresSink  # noqa: E402
+from onceflow.sinks.postgres.source import GID, PostgresDataSource  # noqa: E402
+from onceflow.sinks.postgres.stage import stage_tables  # noqa: E402
+from onceflow.sinks.postgres.task import SLOT_RULE  # noqa: E402
+from onceflow.sinks.postgres.types import pg_type  # noqa: E402
 
 __all__ = [
     "FORMAT", "GID", "SLOT_RULE", "STAGE_COLUMNS", "PostgresDataSource", "PostgresSink", "_copy",
