@@ -51,7 +51,8 @@ class Job:
     transform: Callable[..., DataFrame] | None = None
     #: how query failures and driver crashes are retried (``fixed_delay``, ``exponential_delay``, ...)
     restart_strategy: RestartStrategy = field(default_factory=default_strategy)
-    #: Spark's output mode of the query
+    #: Spark's output mode of the query (onceflow's Python data sources take append and complete;
+    #: update needs DeltaSink(writer="jvm"))
     output_mode: Literal["append", "complete", "update"] = "append"
     #: the Spark master of the driver (``onceflow run --master`` overrides it)
     master: str = "local[2]"

@@ -90,6 +90,7 @@ def dry_run(target: str, options: LaunchOptions, say: Callable[[str], None]) -> 
     for line in plan.getvalue().strip().splitlines():
         say(f"  {line}")
     sink = job.sink.for_session(spark)
+    sink.check_output_mode(job.output_mode)
     source = sink.data_source({**sink.options(), "checkpointlocation": ckpt.url})
     source.write_schema = df.schema
     complete = job.output_mode == "complete"

@@ -310,6 +310,7 @@ class JobRunner:
         if not df.isStreaming:
             raise ConfigError(f"job {job.name}: the source must be a streaming DataFrame (spark.readStream...)")
         sink = job.sink.for_session(spark)
+        sink.check_output_mode(job.output_mode)
         df = sink.prepare(df)
         sink_opts = dict(sink.options())
         if is_connect(spark):  # the query runs on the server and would outlive this driver

@@ -442,6 +442,20 @@ class Sink(ABC):
         depends on the session decides it here)."""
         return self
 
+    def check_output_mode(self, output_mode: str) -> None:
+        """Refuse, in one line, an output mode this sink's write path cannot take (the runner
+        and :meth:`write_stream` call it on the sink as it runs in the session). Spark's Python
+        data sources, through which onceflow's sinks write, take ``append`` and ``complete``."""
+        if output_mode == "update":
+            raise ConfigError(
+                f"{type(self).__name__} writes through the Python data source {self.format_name}, and "
+                "Spark's Python data sources take the output modes 'append' and 'complete', not "
+                f"'update'{self._update_hint()}")
+
+    def _update_hint(self) -> str:
+        return ("; use 'complete' (the whole result each batch), or 'append' with write='upsert' "
+                "and keys where the sink offers it (an aggregation in append mode needs a watermark)")
+
     def prepare(self, df: Any) -> Any:
         """The stream as this sink writes it (the runner calls it before checking the schema):
         ``df`` itself unless the sink derives a column, such as an upsert's delete flag."""
@@ -463,6 +477,7 @@ class Sink(ABC):
         checkpoint location and output mode set; add a trigger and ``start()`` it. Open it again
         (call this again) for every start of the query."""
         sink = self.for_session(df.sparkSession)
+        sink.check_output_mode(output_mode)
         df = sink.prepare(df)
         opts = dict(sink.options())
         overwrite = output_mode == "complete"

@@ -109,6 +109,14 @@ class DeltaSink(Sink):
         log.info("onceflow-delta %s: writer=auto runs the %s writer (%s)", self.path, decided.writer, why)
         return decided
 
+    def check_output_mode(self, output_mode: str) -> None:
+        """The JVM writer (``foreachBatch``) takes ``update`` too; the arrow writer does not."""
+        if self.writer != "jvm":
+            super().check_output_mode(output_mode)
+
+    def _update_hint(self) -> str:
+        return "; DeltaSink(writer='jvm') takes 'update' (local tables, classic sessions)" + super()._update_hint()
+
     def stream_writer(self, df: Any, source: TwoPhaseCommitSink, options: Mapping[str, str],
                       overwrite: bool) -> Any:
         """Arrow: the ``onceflow-delta`` data source. JVM: ``foreachBatch`` with
