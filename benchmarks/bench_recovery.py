@@ -1,7 +1,8 @@
 """Recovery time after driver SIGKILLs, with and without the warm standby driver.
 
 One command: ``python benchmarks/bench_recovery.py [--kills N] [--pipelines demo,kafka-pg]
-[--modes standby,cold,query] [--seed S]``.
+[--modes standby,cold,query] [--seed S]``; the state-size axis: ``--pipelines state --modes
+standby [--state-keys 1,200000,2000000]``.
 
 For each pipeline and mode it runs the job under ``onceflow run`` (``--standby`` or
 ``--no-standby``), SIGKILLs the active driver's whole process group N times at random moments
@@ -19,8 +20,11 @@ restart strategy): N injected failures (``before_decide@B:raise`` every 8 batche
 restarting the query on the warm SparkSession.
 
 Pipelines: ``demo`` (the ``onceflow demo`` job: sequence source -> running count per key with
-applyInPandasWithState -> Delta) and ``kafka-pg`` (Kafka on tansu -> PostgreSQL ``two_phase``,
-throwaway cluster). Each run ends with an independent exactly-once check of the output.
+applyInPandasWithState -> Delta), ``kafka-pg`` (Kafka on tansu -> PostgreSQL ``two_phase``,
+throwaway cluster) and ``state`` (the state-size axis: sequence source -> ``groupBy(key).count()``
+on the RocksDB state store, update mode -> Delta, run once per ``--state-keys`` count, the
+kills starting once every key is in the state). Each run ends with an independent exactly-once
+check of the output (for ``state``: each key's last count equals its number of events).
 Targets (issue 11, this machine): with standby median <= 5 s and max <= 10 s; without <= 15 s.
 """
 
@@ -61,10 +65,29 @@ job = Job(name="recovery-kafka-pg", source=source,
 """
 
 
+STATE_JOB = """
+import os
+from onceflow import CheckpointConfig, DeltaSink, Job, fixed_delay
+
+def source(spark):
+    per_batch = int(os.environ["BENCH_PER_BATCH"])
+    return (spark.readStream.format("onceflow-sequence").option("total", int(os.environ["BENCH_EVENTS"]))
+            .option("rows_per_second", per_batch).option("max_rows_per_batch", per_batch)
+            .option("keys", int(os.environ["BENCH_KEYS"])).load())
+
+job = Job(name="recovery-state", source=source, output_mode="update",
+          transform=lambda df: df.groupBy("key").count(),
+          sink=DeltaSink(os.environ["BENCH_TABLE"], writer="jvm"),  # the writer that takes update
+          checkpoint=CheckpointConfig(os.environ["BENCH_CKPT"], interval="1 s", state_backend="rocksdb"),
+          restart_strategy=fixed_delay(attempts=100, delay=0), stop_when_idle=4, master="local[2]")
+"""
+
+
 def drive(cmd: list[str], env: dict, ckpt: str, kills: int, rng: random.Random, log_path: str,
-          standby: bool) -> list[float]:
+          standby: bool, after_rows: int = 0) -> list[float]:
     """Run the supervisor; SIGKILL the active driver ``kills`` times while data flows (with
-    ``standby``: once the replacement standby is warm, the steady state being measured)."""
+    ``standby``: once the replacement standby is warm, the steady state being measured; with
+    ``after_rows``: once the sink committed that many rows, e.g. a state holding every key)."""
     events = EventLog(ckpt)
     kill_times: list[float] = []
     with open(log_path, "w") as out:
@@ -80,6 +103,8 @@ def drive(cmd: list[str], env: dict, ckpt: str, kills: int, rng: random.Random, 
             up = starts and any(e["event"] == "sink_commit" and e["ts"] > starts[-1]["ts"] for e in ev)
             if standby:
                 up = up and any(e["event"] == "standby_ready" and e["ts"] > starts[-1]["ts"] for e in ev)
+            if after_rows:
+                up = up and sum(e.get("input_rows", 0) for e in ev if e["event"] == "batch") >= after_rows
             if not up:
                 next_kill = None
                 continue
@@ -161,6 +186,32 @@ def run_kafka_pg(tmp: str, mode: str, kills: int, rng: random.Random, records: i
     return restarts(EventLog(topic_env["BENCH_CKPT"]).read(), kill_times), memory(topic_env["BENCH_CKPT"]), verdict
 
 
+def run_state(tmp: str, mode: str, kills: int, rng: random.Random, keys: int, per_batch: int) -> tuple[list[Restart], dict, str]:
+    """``groupBy(key).count()`` over ``keys`` keys on RocksDB: the state holds every key before
+    the first kill, and the stream lasts long enough for ``kills`` steady-state kills."""
+    from deltalake import DeltaTable
+
+    standby = mode == "standby"
+    work = os.path.join(tmp, f"state-{keys}-{mode}")
+    events_n = max(keys, per_batch) + per_batch * (10 + 35 * kills)  # ~35 batches per steady-state kill
+    env = {**os.environ, "BENCH_EVENTS": str(events_n), "BENCH_KEYS": str(keys), "BENCH_PER_BATCH": str(per_batch),
+           "BENCH_TABLE": os.path.join(work, "counts"), "BENCH_CKPT": os.path.join(work, "ckpt"),
+           **faults(mode, kills, work)}
+    os.makedirs(work, exist_ok=True)
+    job = os.path.join(work, "state_job.py")
+    with open(job, "w") as f:
+        f.write(textwrap.dedent(STATE_JOB))
+    cmd = [sys.executable, "-m", "onceflow", "run", job, "--standby" if standby else "--no-standby"]
+    kill_times = drive(cmd, env, env["BENCH_CKPT"], 0 if mode == "query" else kills, rng,
+                       os.path.join(tmp, f"state-{keys}-{mode}.log"), standby, after_rows=max(keys, per_batch))
+    counts = DeltaTable(env["BENCH_TABLE"]).to_pyarrow_table(columns=["key", "count"]).to_pandas()
+    last = counts.groupby("key")["count"].max()
+    expected = {k: events_n // keys + (1 if k < events_n % keys else 0) for k in range(keys)}
+    wrong = sum(1 for k, n in expected.items() if last.get(k) != n)
+    verdict = "ok" if wrong == 0 and len(last) == keys else f"{wrong} of {keys} keys with a wrong last count"
+    return restarts(EventLog(env["BENCH_CKPT"]).read(), kill_times), memory(env["BENCH_CKPT"]), verdict
+
+
 def memory(ckpt: str) -> dict:
     ready = [e for e in EventLog(ckpt).read() if e["event"] == "standby_ready"]
     if not ready:
@@ -187,6 +238,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--events", type=int, default=600_000, help="demo events")
     ap.add_argument("--records", type=int, default=300_000, help="kafka-pg records")
+    ap.add_argument("--state-keys", default="1,200000,2000000",
+                    help="pipeline state: the state sizes (distinct keys), one run each")
+    ap.add_argument("--state-per-batch", type=int, default=100_000, help="pipeline state: events per batch")
     args = ap.parse_args()
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     rng = random.Random(args.seed)
@@ -194,6 +248,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="onceflow-bench-recovery-")
     rows = []
     pg = broker = None
+    ok = False
     try:
         pipelines = args.pipelines.split(",")
         if "kafka-pg" in pipelines:
@@ -203,21 +258,29 @@ def main() -> None:
             pg = PgCluster(max_prepared_transactions=20, fsync=True, name="bench-recovery")
             broker = KafkaBroker().start()
         for pipeline in pipelines:
-            for mode in args.modes.split(","):
-                print(f"{pipeline}, {mode}:", flush=True)
-                if pipeline == "demo":
-                    rs, mem, verdict = run_demo(tmp, mode, args.kills, rng, args.events)
-                else:
-                    rs, mem, verdict = run_kafka_pg(tmp, mode, args.kills, rng, args.records, broker, pg)
-                for r in rs:
-                    print(f"    {r.describe()}", flush=True)
-                rows.append(summarize(f"{pipeline} {mode}", rs, mem, verdict))
+            for variant in (args.state_keys.split(",") if pipeline == "state" else [""]):
+                for mode in args.modes.split(","):
+                    name = f"{pipeline}{'-' + variant if variant else ''} {mode}"
+                    print(f"{name}:", flush=True)
+                    if pipeline == "demo":
+                        rs, mem, verdict = run_demo(tmp, mode, args.kills, rng, args.events)
+                    elif pipeline == "state":
+                        rs, mem, verdict = run_state(tmp, mode, args.kills, rng, int(variant), args.state_per_batch)
+                    else:
+                        rs, mem, verdict = run_kafka_pg(tmp, mode, args.kills, rng, args.records, broker, pg)
+                    for r in rs:
+                        print(f"    {r.describe()}", flush=True)
+                    rows.append(summarize(name, rs, mem, verdict))
+        ok = True
     finally:
         if broker is not None:
             broker.stop()
         if pg is not None:
             pg.destroy()
-        shutil.rmtree(tmp, ignore_errors=True)
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"kept {tmp} (its logs) after the failure", flush=True)
     print()
     head = ("run", "kills", "median_s", "max_s", *Restart.PHASES, "standby_rss_mb", "active_rss_mb", "verdict")
     print(" | ".join(head))
@@ -230,6 +293,14 @@ def main() -> None:
         if row["run"].endswith("standby") and cold and row["median_s"]:
             print(f"{row['run']}: median {row['median_s']:.1f}s = {row['median_s'] / cold:.2f}x the cold restart "
                   f"({cold:.1f}s), measured in the same run")
+    small: dict[str, tuple[str, float]] = {}  # mode -> the smallest state's run of the state axis
+    for row in rows:
+        if row["run"].startswith("state-") and row["median_s"]:
+            mode = row["run"].split()[1]
+            base_run = small.setdefault(mode, (row["run"], row["median_s"]))
+            if base_run[0] != row["run"]:
+                print(f"{row['run']}: median {row['median_s']:.1f}s = {row['median_s'] / base_run[1]:.2f}x "
+                      f"{base_run[0]} ({base_run[1]:.1f}s), measured in the same run")
 
 
 if __name__ == "__main__":
