@@ -291,6 +291,35 @@ def test_write_stream_gives_plain_spark_code_the_jobs_writer_and_fencing(spark, 
         old.decide(Decision(lineage, 99, "f", [], max(epochs)), None, False)
 
 
+def test_write_stream_starts_the_query_with_a_jobs_settings_and_leaves_the_sessions(spark, tmp_path):
+    """Issue 32: ``write_stream(...).start()`` gives the query what a Job's query gets
+    (``onceflow.spark.query_conf``): here Arrow batches of 100,000 rows into the Python
+    writer, seen as the row groups of the written file (Spark's default would make row groups
+    of 10,000). The session's own settings are untouched afterwards. Before: the query started
+    with the session's settings (10,000-row row groups) unless the user wrapped ``start()``."""
+    import pyarrow.parquet as pq
+
+    from onceflow.spark import ARROW_BATCH_CONF
+
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    assert spark.conf.get(key, None) is None, "the session fixture names the setting: the test would prove nothing"
+    table, ckpt = str(tmp_path / "table"), str(tmp_path / "ckpt")
+    df = (spark.readStream.format("onceflow-sequence").option("total", 250_000).option("partitions", 1)
+          .option("rows_per_second", 100_000_000).option("max_rows_per_batch", 250_000).load())
+    writer = DeltaSink(table, writer="arrow").write_stream(df, ckpt).queryName("settings")
+    q = writer.start()
+    try:
+        q.processAllAvailable()
+    finally:
+        q.stop()
+    assert check_delta_table(table, 250_000).ok
+    files = DeltaTable(table).file_uris()
+    groups = [pq.ParquetFile(f).metadata.row_group(i).num_rows for f in files
+              for i in range(pq.ParquetFile(f).metadata.num_row_groups)]
+    assert max(groups) == int(ARROW_BATCH_CONF[key]), groups
+    assert spark.conf.get(key, None) is None  # the session keeps its own
+
+
 def start_driver(tmp_path, env_extra) -> subprocess.Popen:
     job_file = tmp_path / "job.py"
     job_file.write_text(textwrap.dedent(JOB_FILE))

@@ -474,7 +474,8 @@ class Sink(ABC):
         table gets Spark's own Parquet writer), the stream's schema checked, and the sink opened
         now for the checkpoint's lineage (a new fencing epoch, so an older query of this
         checkpoint can no longer decide, then recovery). Returns the ``DataStreamWriter`` with
-        checkpoint location and output mode set; add a trigger and ``start()`` it. Open it again
+        checkpoint location and output mode set, as a :class:`StreamWriter` whose ``start()``
+        gives the query a Job's Spark settings; add a trigger and ``start()`` it. Open it again
         (call this again) for every start of the query."""
         sink = self.for_session(df.sparkSession)
         sink.check_output_mode(output_mode)
@@ -485,8 +486,9 @@ class Sink(ABC):
         source.write_schema = df.schema
         source.validate(df.schema, overwrite)
         epoch = source.open(CheckpointDir(checkpoint_location).ensure_lineage())
-        return (sink.stream_writer(df, source, opts, overwrite).option("checkpointLocation", checkpoint_location)
-                .option("epoch", str(epoch)).outputMode(output_mode))
+        writer = (sink.stream_writer(df, source, opts, overwrite).option("checkpointLocation", checkpoint_location)
+                  .option("epoch", str(epoch)).outputMode(output_mode))
+        return StreamWriter(writer, df.sparkSession, checkpoint_location)
 
     def data_source(self, extra: Mapping[str, str] | None = None) -> TwoPhaseCommitSink:
         """The data source instance with these options (used for pre-flight checks)."""
@@ -494,3 +496,31 @@ class Sink(ABC):
 
         cls = _load(SINKS[self.format_name])
         return cls({**self.options(), **(extra or {})})
+
+
+class StreamWriter:
+    """A ``DataStreamWriter`` as :meth:`Sink.write_stream` returns it: every method is Spark's
+    (those that return the writer return this wrapper), and ``start()`` runs inside
+    :func:`onceflow.spark.query_conf`, so the query starts with the settings a Job's query gets
+    (Arrow batches of 100,000 rows for Python writers; on a local checkpoint, Spark's
+    FileSystem-based checkpoint file manager) while the session keeps its own."""
+
+    def __init__(self, writer: Any, spark: Any, checkpoint_location: str) -> None:
+        self._writer, self._spark, self._checkpoint = writer, spark, checkpoint_location
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._writer, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            out = attr(*args, **kwargs)
+            return self if out is self._writer else out
+        return call
+
+    def start(self, *args: Any, **kwargs: Any) -> Any:
+        """Spark's ``start()``, with a Job's query settings (see the class doc)."""
+        from onceflow.spark import query_conf
+
+        with query_conf(self._spark, self._checkpoint):
+            return self._writer.start(*args, **kwargs)
