@@ -25,6 +25,7 @@ from onceflow.sinks.delta.evolution import SCHEMA_MODES, arrow_of, plan
 from onceflow.sinks.delta.files import to_arrow_schema
 from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
 from onceflow.sinks.delta.partitions import check_columns, parse_partition_by
+from onceflow.sinks.delta.txns import TrackedTable
 from onceflow.sinks.delta.upsert import UpsertSpec
 from onceflow.storage import as_options, delta_target, normalize_url, scheme_of, url_to_fs
 
@@ -90,7 +91,8 @@ class DeltaTableAccess(TwoPhaseCommitSink):
                     pass
                 _TABLES.pop(key, None)
             try:
-                table = DeltaTable(self._delta_url, storage_options=self._delta_opts)
+                fs, path = self._fs()
+                table = TrackedTable(self._delta_url, self._delta_opts, fs, f"{path}/_delta_log")
             except TableNotFoundError:
                 return None
             _TABLES[key] = (table, self._log_mark(table.version()))
