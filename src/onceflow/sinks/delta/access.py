@@ -78,6 +78,7 @@ class DeltaTableAccess(TwoPhaseCommitSink):
         Every decision is still checked against, and committed on top of, the snapshot this
         returns (see :meth:`decide`)."""
         key = (self._delta_url, json.dumps(self._delta_opts, sort_keys=True, default=str))
+        local = scheme_of(self.table_url) in ("", "file")
         with _TABLES_LOCK:
             held = _TABLES.get(key)
             if held is not None:
@@ -85,7 +86,8 @@ class DeltaTableAccess(TwoPhaseCommitSink):
                 try:
                     if self._log_mark(table.version()) == mark:
                         table.update_incremental()
-                        _TABLES[key] = (table, self._log_mark(table.version()))
+                        # on an object store the mark is the entry's existence: delta-rs just read it
+                        _TABLES[key] = (table, self._log_mark(table.version()) if local else True)
                         return table
                 except Exception:  # noqa: BLE001 - any doubt: load it afresh
                     pass
