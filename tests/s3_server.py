@@ -4,7 +4,7 @@ nothing in the test process, e.g. a delta-rs call that keeps the GIL while it wa
 answer, can stall it.
 
 A thin WSGI layer in front of moto records every request (``S3Server.requests``: method,
-path, If-None-Match, copy source, status) and applies *rules* the tests set
+path, If-None-Match, copy source, status, query string) and applies *rules* the tests set
 (``S3Server.rule``): ``barrier`` holds matching requests until ``count`` of them arrived (two
 contenders racing for one object); ``before`` runs a command once before a matching request
 is answered (another writer commits first); ``fail`` answers matching requests with HTTP 503
@@ -92,7 +92,7 @@ def serve() -> None:  # pragma: no cover - runs in the server process
                 environ.get("HTTP_X_AMZ_COPY_SOURCE")]
 
         def record(status, headers, *exc):
-            requests.append([*seen, status.split()[0]])
+            requests.append([*seen, status.split()[0], environ.get("QUERY_STRING", "")])
             return start_response(status, headers, *exc)
 
         return moto(environ, record)

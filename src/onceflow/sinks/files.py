@@ -108,17 +108,63 @@ def parse_unit(name: str) -> tuple[str, int, int] | None:
     return None if m is None else (m["lineage"], int(m["epoch"] or 0), int(m["batch"]))
 
 
-def remove_units(fs, path: str, lineage: str, predicate: Callable[[int, int, str], bool]) -> int:
-    """Delete this lineage's units for which ``predicate(batch, epoch, unit_name)`` holds
-    (directories with everything in them); return how many."""
-    removed = 0
-    if isinstance(fs, LocalFileSystem):  # names only: no stat per entry (the directory grows)
-        names = os.listdir(path)
+#: A commit's sweep on an object store (:func:`sweep_prefixes`): every commit looks at the last
+#: SWEEP_RECENT batches under the committing driver's epoch; every SWEEP_ALL_EVERY-th batch at
+#: every batch the process decided, under that epoch and the SWEEP_EPOCHS before it (the zombies
+#: of the last takeovers; older ones are recovery's, at the next start).
+SWEEP_RECENT, SWEEP_ALL_EVERY, SWEEP_EPOCHS = 10, 100, 2
+
+
+def _cover(low: int, high: int) -> list[str]:
+    """At most two leading parts of 10-digit batch ids that hold every id in [low, high] and
+    fewer than ten times as many ids."""
+    k = 0
+    while high // 10**k - low // 10**k > 1:
+        k += 1
+    return sorted({f"{b:010d}"[:10 - k] for b in (low, high)})
+
+
+def sweep_prefixes(lineage: str, batch_id: int, mine: int | None, decided: Iterable[int]) -> list[str]:
+    """Name prefixes a commit's sweep lists on an object store (see :data:`SWEEP_RECENT`). A
+    table directory holds every file ever committed, so a listing of the whole lineage grew
+    with the table's age (about 1,000 names per request); these follow the recent batches."""
+    top = mine or 0
+    if batch_id % SWEEP_ALL_EVERY == 0:
+        low, epochs = min([batch_id, *decided]), range(top, max(-1, top - SWEEP_EPOCHS - 1), -1)
     else:
-        names = [full.rstrip("/").rsplit("/", 1)[-1] for full in fs.ls(path, detail=False)]
-    prefix = f"part-of-{lineage}-"
-    for name in names:
-        parsed = parse_unit(name) if name.startswith(prefix) else None
+        low, epochs = max(0, batch_id - SWEEP_RECENT), range(top, top - 1, -1)
+    return [f"part-of-{lineage}-e{e}-b{p}" for e in epochs for p in _cover(low, batch_id)]
+
+
+def _names(fs, path: str, prefixes: Iterable[str]) -> set[str]:
+    """Names directly in ``path`` that start with one of ``prefixes``: one listing filtered by
+    the store per prefix (its requests follow the matches, not the directory's size); locally,
+    or where a filesystem's ``find`` takes no prefix, the whole directory filtered here."""
+    prefixes = tuple(prefixes)
+    if isinstance(fs, LocalFileSystem):  # names only: no stat per entry (the directory grows)
+        return {n for n in os.listdir(path) if n.startswith(prefixes)}
+    names: set[str] = set()
+    try:
+        for prefix in prefixes:
+            names.update(full.rstrip("/").rsplit("/", 1)[-1]
+                         for full in fs.find(path, maxdepth=1, withdirs=True, prefix=prefix))
+    except TypeError:  # no prefixed listing here
+        names = {full.rstrip("/").rsplit("/", 1)[-1] for full in fs.ls(path, detail=False)}
+    return {n for n in names if n.startswith(prefixes)}
+
+
+def remove_units(fs, path: str, lineage: str, predicate: Callable[[int, int, str], bool],
+                 prefixes: Iterable[str] | None = None) -> int:
+    """Delete this lineage's units for which ``predicate(batch, epoch, unit_name)`` holds
+    (directories with everything in them); return how many. ``prefixes`` (on an object store:
+    :func:`sweep_prefixes`): look only at units whose names start with one of them; locally,
+    and by default (recovery), at every unit of the lineage."""
+    removed = 0
+    lineage_prefix = f"part-of-{lineage}-"
+    if prefixes is None or isinstance(fs, LocalFileSystem):
+        prefixes = [lineage_prefix]
+    for name in sorted(_names(fs, path, prefixes)):
+        parsed = parse_unit(name) if name.startswith(lineage_prefix) else None
         if parsed and parsed[0] == lineage and predicate(parsed[2], parsed[1], name):
             try:
                 fs.rm(f"{path}/{name}", recursive=True)

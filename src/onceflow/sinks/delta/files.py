@@ -20,6 +20,7 @@ from onceflow.sinks.files import (  # noqa: F401 - the Delta modules import thes
     orphan_rule,
     parse_unit,
     remove_units,
+    sweep_prefixes,
     to_arrow_schema,
     unit,
 )

@@ -63,6 +63,7 @@ from onceflow.sinks.delta.files import (
     parse_unit,
     recent_decisions,
     remove_units,
+    sweep_prefixes,
     to_arrow_schema,
     unit,
 )
@@ -419,7 +420,10 @@ class DeltaDataSource(DeltaTableAccess):
         all. Besides the batch's own losers, the same listing sweeps late files of any of the
         last 1000 batches decided here (:func:`~.files.losing_rule`): those of stragglers,
         speculative attempts, lost executors and woken zombies that finished after their
-        batch committed, of this driver's epoch or an older one.
+        batch committed, of this driver's epoch or an older one. On an object store the
+        listing is bounded by name prefixes (:func:`~.files.sweep_prefixes`): the last 10
+        batches of this epoch at each commit, every batch decided here for this epoch and the
+        two before it at every 100th batch; recovery still lists the whole lineage.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
@@ -430,7 +434,8 @@ class DeltaDataSource(DeltaTableAccess):
         self._remember(decision)  # a replay's too: its late files are swept by later commits
         keep = {unit(h["path"]) for h in decision.handles}
         decided_here = self._decided_here(decision.lineage)
-        self._remove_files(decision.lineage, losing_rule(decision.batch_id, keep, self.epoch, decided_here))
+        self._remove_files(decision.lineage, losing_rule(decision.batch_id, keep, self.epoch, decided_here),
+                           sweep_prefixes(decision.lineage, decision.batch_id, self.epoch, decided_here))
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         fs, path = self._fs()
@@ -478,8 +483,8 @@ class DeltaDataSource(DeltaTableAccess):
 
         return {"orphans_removed": self._remove_files(lineage, orphan)}
 
-    def _remove_files(self, lineage: str, predicate) -> int:
+    def _remove_files(self, lineage: str, predicate, prefixes: list[str] | None = None) -> int:
         """Delete this lineage's units (task files, per-batch directories) for which
-        ``predicate(batch, epoch, unit_name)`` holds."""
+        ``predicate(batch, epoch, unit_name)`` holds (:func:`~.files.remove_units`)."""
         fs, path = self._fs()
-        return remove_units(fs, path, lineage, predicate)
+        return remove_units(fs, path, lineage, predicate, prefixes)

@@ -62,6 +62,7 @@ from onceflow.sinks.files import (
     orphan_rule,
     parquet_codec,
     remove_units,
+    sweep_prefixes,
     to_arrow_schema,
 )
 from onceflow.sinks.iceberg import catalog as catalogs
@@ -487,7 +488,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
 
         fs, path = self._data_dir()
         if fs.exists(path):
-            remove_units(fs, path, decision.lineage, losing)
+            remove_units(fs, path, decision.lineage, losing,
+                         sweep_prefixes(decision.lineage, decision.batch_id, mine, decided_here))
 
     def abort(self, lineage: str, batch_id: int, handles: list[Any]) -> None:
         if "_location" not in self.__dict__ and self._table() is None:
