@@ -29,7 +29,9 @@ also checked for at most one snapshot per batch (every Iceberg case). ``iceberg-
 into a warehouse on moto's S3 server (``s3a://`` URL), its options given only as
 ``Job(storage_options=...)``: tasks, recovery and pyiceberg's FileIO all reach the store through
 them; it is read back by a catalog given pyiceberg's own ``s3.*`` properties, and its data
-directory is listed with s3fs.
+directory is listed with s3fs. ``delta-s3`` appends to a Delta table on the same server, options
+also the job's only: its decisions are :class:`~onceflow.sinks.delta.log.StoreLog`'s conditional
+creates of the next log entry, read back with delta-rs, its table directory listed with s3fs.
 
 ``sqlite`` is examples/sqlite_sink.py, the sink written outside the package that
 docs/custom-sink.md walks through; it is read back with plain sqlite3.
@@ -59,7 +61,7 @@ from onceflow.checkpoint.eventlog import EventLog
 from onceflow.job import Job
 from onceflow.verify.exactly_once import check_ids
 
-SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "delta-upsert", "postgres-two_phase",
+SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "delta-upsert", "delta-s3", "postgres-two_phase",
          "postgres-idempotent", "kafka", "iceberg", "iceberg-upsert", "iceberg-s3", "sqlite"]
 #: the crash windows and the zombie chains run minutes per sink: every sink and write path, and
 #: partitioning on the Arrow path only (both writers' partitioned commits are also crashed and
@@ -67,7 +69,7 @@ SINKS = ["delta", "delta-jvm", "delta-part", "delta-jvm-part", "delta-upsert", "
 CRASHED = [s for s in SINKS if s != "delta-jvm-part"]
 #: sqlite (the example sink) passes the zombie chain too, left out for time (docs/custom-sink.md);
 #: iceberg-s3 too (its fence is the catalog's, as iceberg's; it passed the chain in 160 s)
-ZOMBIES = [s for s in SINKS if not s.endswith("-part") and s not in ("sqlite", "iceberg-s3")]
+ZOMBIES = [s for s in SINKS if not s.endswith("-part") and s not in ("sqlite", "iceberg-s3", "delta-s3")]
 
 
 # ---- the sinks under test ----------------------------------------------------------------------
@@ -110,6 +112,40 @@ def _delta_case(tmp_path: Path, writer: str = "arrow", partitioned: bool = False
         return delta_dangling(str(table)) + (merged_twice(table) if upsert else [])
 
     return Case(kind, env, read_ids, dangling)
+
+
+def _delta_s3_case(tmp_path: Path, s3) -> Case:
+    """The Arrow path into a Delta table on moto's S3 server (``s3a://``, the job's storage
+    options only); dangling = units in the table directory that no log entry adds."""
+    import pyarrow as pa
+    import s3fs
+    from deltalake import DeltaTable
+
+    from onceflow.storage import delta_target
+
+    url = f"s3a://{s3.bucket()}/table"
+    target, opts = delta_target(url, s3.options)
+
+    def read_ids() -> list[int]:
+        return DeltaTable(target, storage_options=opts).to_pyarrow_table(columns=["id"]).column("id").to_pylist()
+
+    def dangling() -> list[str]:
+        fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=s3.endpoint, use_listings_cache=False)
+        root = url.split("://", 1)[1]
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root)} if fs.exists(root) else set()
+        adds = DeltaTable(target, storage_options=opts).get_add_actions(flatten=True)
+        live = {p.split("/", 1)[0] for p in pa.table(adds).column("path").to_pylist()}
+        return sorted(n for n in names - live if n != "_delta_log")
+
+    env = {"TABLE": url, "WRITER": "arrow", "STORAGE_OPTIONS": json.dumps(s3.options)}
+    return Case("delta-s3", env, read_ids, dangling, DELTA_S3_POINTS)
+
+
+#: delta-s3's crash windows in the suite: what the store changes is the tasks' writes (every
+#: window), a failed task attempt's file (after_precommit), recovery's listing of an undecided
+#: batch's files (before_decide), the decision's conditional create landing before the crash
+#: (after_decide: the replay finds it decided) and the commit's clean-up (mid_commit).
+DELTA_S3_POINTS = ("after_precommit", "before_decide", "after_decide", "mid_commit")
 
 
 def merged_twice(table: Path) -> list[str]:
@@ -282,6 +318,8 @@ def case(request, tmp_path) -> Iterator[Case]:
 
 def _case(request, tmp_path) -> Case:
     kind = request.param
+    if kind == "delta-s3":
+        return _delta_s3_case(tmp_path, request.getfixturevalue("s3_server"))
     if kind.startswith("delta"):
         return _delta_case(tmp_path, "jvm" if "-jvm" in kind else "arrow", kind.endswith("-part"),
                            kind.endswith("-upsert"))
@@ -355,7 +393,7 @@ def transform(df):
     return df.select("id")
 
 
-STORAGE = os.environ.get("STORAGE_OPTIONS")  # iceberg-s3: the job's only, none on the sink
+STORAGE = os.environ.get("STORAGE_OPTIONS")  # iceberg-s3, delta-s3: the job's only, none on the sink
 job = Job(name="conformance", source=source, transform=transform, sink=build_sink(os.environ),
           checkpoint=CheckpointConfig(os.environ["CKPT"], interval=os.environ.get("INTERVAL", "0 s")),
           restart_strategy=fixed_delay(attempts=int(os.environ.get("ATTEMPTS", 10)), delay=0),

@@ -55,7 +55,9 @@ job = Job(
     # arrow: its Python tasks log the records they process, replays included (the demo's report)
     sink=DeltaSink(os.path.join(_dir, "events"), writer="arrow"),
     checkpoint=CheckpointConfig(os.path.join(_dir, "checkpoint"), interval="1 s"),
-    restart_strategy=fixed_delay(attempts=10, delay=0.5),
+    # no pause before a restart: the warm standby takes over at once (a job that fails on its own
+    # would want a delay; these kills are the demo's)
+    restart_strategy=fixed_delay(attempts=10, delay=0),
     stop_when_idle=3.0,
     master="local[2]",
 )

@@ -23,7 +23,7 @@ from onceflow.errors import ConfigError
 from onceflow.sinks.base import TwoPhaseCommitSink
 from onceflow.sinks.delta.evolution import SCHEMA_MODES, arrow_of, plan
 from onceflow.sinks.delta.files import to_arrow_schema
-from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log
+from onceflow.sinks.delta.log import LocalLog, LogSnapshot, local_log, store_log
 from onceflow.sinks.delta.partitions import check_columns, parse_partition_by
 from onceflow.sinks.delta.txns import TrackedTable
 from onceflow.sinks.delta.upsert import UpsertSpec
@@ -125,14 +125,23 @@ class DeltaTableAccess(TwoPhaseCommitSink):
             root = self.__dict__["_local_root"] = self._fs()[1]
         return local_log(root)
 
-    def _view(self, lineage: str, fast: bool = True) -> LogSnapshot | DeltaTable | None:
+    def _commit_log(self) -> LocalLog | None:
+        """The log a decision appends to itself: a local table's :class:`LocalLog`, an S3
+        table's :class:`StoreLog`; None elsewhere (delta-rs commits)."""
+        if scheme_of(self.table_url) != "s3":
+            return self._local_log()
+        fs, root = self._fs()
+        return store_log(fs, root, f"{self.table_url} {json.dumps(self._delta_opts, sort_keys=True, default=str)}")
+
+    def _view(self, lineage: str, fast: bool = True, log: LocalLog | None = None) -> LogSnapshot | DeltaTable | None:
         """The latest state for the decision checks of ``lineage`` (None: no table yet).
 
-        ``fast``: a :class:`LogSnapshot` when the table is local and onceflow can append to its
-        log, at the cost of two ``stat`` calls while no one else commits; otherwise (and for
-        commits that delta-rs must make) the delta-rs table, brought up to date."""
+        ``fast``: a :class:`LogSnapshot` of ``log`` (default: a local table's
+        :class:`LocalLog`) when onceflow can append to it, at the cost of two ``stat`` calls
+        (two HEAD requests on S3) while no one else commits; otherwise (and for commits that
+        delta-rs must make) the delta-rs table, brought up to date."""
         apps = (self.app_id(lineage), self.epoch_app_id(lineage))
-        local = self._local_log() if fast else None
+        local = (log or self._local_log()) if fast else None
         if local is not None:
             snap = local.snapshot(apps)
             if snap is not None:

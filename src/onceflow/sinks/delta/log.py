@@ -1,4 +1,4 @@
-"""Constant-cost commits to a local Delta table's log: the Delta sink's per-batch hot path.
+"""Constant-cost commits to a Delta table's log: the Delta sink's per-batch hot path.
 
 delta-rs lists the whole ``_delta_log`` directory of a local table on every refresh and every
 commit (and cleans expired entries after each commit), so a stream's commit cost grows with
@@ -15,9 +15,12 @@ successor's epoch, a replaced table) makes the caller load a delta-rs snapshot a
 Every ``delta.checkpointInterval`` versions (default 100) the caller has delta-rs write a
 checkpoint and remove expired log entries, which delta-rs's post-commit hook would do.
 
-Used only for local tables, appends, and protocols that need nothing but add actions and
+:class:`StoreLog` does the same on S3, with the store's conditional create as the put-if-absent
+and the entry's ETag as its identity.
+
+Used only for local and S3 tables, appends, and protocols that need nothing but add actions and
 metaData (writer version 2 or lower, no table features); every other commit goes through
-delta-rs. Partitioned tables included: each add carries its ``partitionValues``. A schema merge
+delta-rs. On S3 only the decision uses it (tasks refresh a delta-rs table, as before). Partitioned tables included: each add carries its ``partitionValues``. A schema merge
 (``schema_mode="merge"``) writes a ``metaData`` action with the merged schema in the same entry.
 """
 
@@ -47,7 +50,7 @@ class LogSnapshot:
     """The log at ``version``: the app transaction versions a decision checks."""
 
     version: int
-    ident: tuple[int, int]  # (inode, mtime_ns) of the version's log entry
+    ident: Any  # the version's log entry: (inode, mtime_ns) of a local file, an object's ETag
     txns: Mapping[str, int | None] = field(default_factory=dict)
     #: the table's metaData action at this version (``schemaString``, ``partitionColumns``...)
     metadata: Mapping[str, Any] = field(default_factory=dict)
@@ -84,9 +87,36 @@ class LocalLog:
     def entry(self, version: int) -> str:
         return os.path.join(self.log_dir, f"{version:020d}.json")
 
-    def _ident(self, version: int) -> tuple[int, int]:
+    def _ident(self, version: int) -> Any:
+        """What identifies the log entry of ``version`` (FileNotFoundError: there is none)."""
         st = os.stat(self.entry(version))
         return st.st_ino, st.st_mtime_ns
+
+    def _exists(self, version: int) -> bool:
+        return os.path.exists(self.entry(version))
+
+    def _create(self, version: int, data: bytes) -> bool:
+        """Put the entry of ``version`` if absent: a complete temporary file hard-linked to its
+        name. False when the entry exists or the filesystem has no hard links (nothing
+        committed); OSError for any other failure to write (a full disk), nothing committed."""
+        tmp = os.path.join(self.log_dir, f"_commit_{uuid.uuid4().hex}.json.tmp")
+        try:
+            with open(tmp, "wb") as f:  # a full disk raises here: nothing committed
+                f.write(data)
+            try:
+                os.link(tmp, self.entry(version))  # put-if-absent: fails if the version exists
+            except OSError as e:
+                if not isinstance(e, FileExistsError) and e.errno not in _NO_LINKS:
+                    raise
+                if e.errno in _NO_LINKS:
+                    self.links = False  # delta-rs commits from now on
+                return False
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        return True
 
     def snapshot(self, apps: Iterable[str]) -> LogSnapshot | None:
         """The latest state, if it is still the latest and holds ``apps``; else None."""
@@ -99,7 +129,7 @@ class LocalLog:
                 return None  # the table was replaced
         except FileNotFoundError:
             return None
-        return None if os.path.exists(self.entry(snap.version + 1)) else snap
+        return None if self._exists(snap.version + 1) else snap
 
     def sync(self, table: DeltaTable, apps: Iterable[str]) -> LogSnapshot | None:
         """Take the state of a freshly loaded delta-rs snapshot; None when this table's
@@ -147,29 +177,47 @@ class LocalLog:
             {"txn": {"appId": app_id, "version": app_version, "lastUpdated": now}},
         ]
         version = snap.version + 1
-        tmp = os.path.join(self.log_dir, f"_commit_{uuid.uuid4().hex}.json.tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as f:  # a full disk raises here: nothing committed
-                f.write("".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines))
-            try:
-                os.link(tmp, self.entry(version))  # put-if-absent: fails if the version exists
-            except OSError as e:
-                if not isinstance(e, FileExistsError) and e.errno not in _NO_LINKS:
-                    raise
-                if e.errno in _NO_LINKS:
-                    self.links = False  # delta-rs commits from now on
-                with self._lock:
-                    self._snap = None
-                return None
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+        data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+        if not self._create(version, data):
+            with self._lock:
+                self._snap = None
+            return None
         new = LogSnapshot(version, self._ident(version), {**snap.txns, app_id: app_version}, metadata)
         with self._lock:
             self._snap = new
         return new
+
+
+class StoreLog(LocalLog):
+    """The log of one table on S3, appended the same way: the store's conditional create is the
+    put-if-absent (s3fs sends ``If-None-Match: *``; S3 answers 412 when the entry exists, which
+    s3fs raises as FileExistsError, as delta-rs's own commits on S3 rely on), and an entry's
+    ETag is its identity (a table deleted and created again is noticed). A decision then costs
+    two HEAD requests, the PUT and a HEAD, where a delta-rs commit refreshed the table (a
+    listing of ``_delta_log`` and a GET per new entry) and then committed."""
+
+    def __init__(self, fs: Any, root: str):
+        super().__init__(root)
+        self.fs = fs
+        self.log_dir = f"{root.rstrip('/')}/_delta_log"
+
+    def entry(self, version: int) -> str:
+        return f"{self.log_dir}/{version:020d}.json"
+
+    def _ident(self, version: int) -> Any:
+        info = self.fs.info(self.entry(version))
+        return info.get("ETag") or info.get("etag") or (info.get("size"), info.get("LastModified"))
+
+    def _exists(self, version: int) -> bool:
+        return bool(self.fs.exists(self.entry(version)))
+
+    def _create(self, version: int, data: bytes) -> bool:
+        try:
+            with self.fs.open(self.entry(version), "xb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        return True
 
 
 def metadata_of(table: DeltaTable) -> dict[str, Any]:
@@ -189,3 +237,13 @@ def local_log(root: str) -> LocalLog:
     """The process's :class:`LocalLog` of the table at local path ``root``."""
     with _LOGS_LOCK:
         return _LOGS.setdefault(root, LocalLog(root))
+
+
+def store_log(fs: Any, root: str, key: str) -> StoreLog:
+    """The process's :class:`StoreLog` of the table at ``root`` on ``fs`` (``key``: the table
+    URL and its storage options)."""
+    with _LOGS_LOCK:
+        log = _LOGS.get(key)
+        if not isinstance(log, StoreLog):
+            log = _LOGS[key] = StoreLog(fs, root)
+        return log

@@ -272,7 +272,8 @@ class DeltaDataSource(DeltaTableAccess):
         3. batch N must be undecided there, or decided with this very decision (a retry);
         4. commit exactly on top of that snapshot (``max_commit_retries=0``; for appends to a
            local table, :class:`~onceflow.sinks.delta.log.LocalLog`'s hard link of the next
-           log entry): if anything was committed since step 1 (a successor's epoch, a rival
+           log entry, on S3 :class:`~onceflow.sinks.delta.log.StoreLog`'s conditional create of
+           it): if anything was committed since step 1 (a successor's epoch, a rival
            decision, another writer), the log write fails and we start again at step 1.
         """
         meta = {
@@ -280,11 +281,11 @@ class DeltaDataSource(DeltaTableAccess):
             "fingerprint": decision.fingerprint, "files": [h["path"] for h in decision.handles],
         }
         app, epoch_app = self.app_id(decision.lineage), self.epoch_app_id(decision.lineage)
-        local = None if overwrite or self.upsert else self._local_log()
+        local = None if overwrite or self.upsert else self._commit_log()
         what = f"decide batch {decision.batch_id}"
         staged: list[pa.Table | None] = []  # an upsert's rows, read once for every attempt
         for _ in range(_MAX_CONFLICTS):
-            view = self._view(decision.lineage, fast=local is not None)
+            view = self._view(decision.lineage, fast=local is not None, log=local)
             current = None if view is None else view.transaction_version(epoch_app)
             if current != decision.epoch:
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current, what)
@@ -318,7 +319,7 @@ class DeltaDataSource(DeltaTableAccess):
                     raise ConfigError(
                         f"onceflow-delta: batch {decision.batch_id} adds columns to {self.table_url}, "
                         "which only a local table of writer version 2 on a filesystem with hard links "
-                        "takes in the batch's own commit; nothing was committed: add the columns first")
+                        "(or such a table on S3) takes in the batch's own commit; nothing was committed: add the columns first")
                 self._commit_with_delta_rs(view, files, decision, meta, overwrite, schema)
                 self._remember(decision)
                 return
