@@ -147,3 +147,17 @@ def test_bad_storage_options_are_one_clear_line(bad):
 
     with pytest.raises(ConfigError, match="storage_options"):
         DeltaDataSource({"path": "s3://b/t", "storage_options": bad})
+
+
+def test_the_decision_writes_its_own_log_entry_unless_delta_rs_is_told_how_to_commit(s3):
+    """On S3 the decision appends the next log entry itself (StoreLog's conditional create);
+    a table whose options choose another way for delta-rs to commit (a DynamoDB locking
+    provider: a store that ignores If-None-Match) leaves every commit to delta-rs."""
+    from onceflow.sinks.delta.log import StoreLog
+
+    url = f"s3://{s3.bucket()}/table"
+    own = DeltaDataSource({"path": url, "storage_options": json.dumps(s3.options)})
+    assert isinstance(own._commit_log(), StoreLog)
+    locked = DeltaDataSource({"path": url, "storage_options": json.dumps(
+        {**s3.options, "AWS_S3_LOCKING_PROVIDER": "dynamodb", "DELTA_DYNAMO_TABLE_NAME": "delta_log"})})
+    assert locked._commit_log() is None

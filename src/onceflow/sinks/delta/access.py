@@ -31,6 +31,9 @@ from onceflow.storage import as_options, delta_target, normalize_url, scheme_of,
 
 log = logging.getLogger(__name__)
 
+#: delta-rs options that choose how it commits on S3 (then onceflow leaves the commits to it)
+_OTHER_COMMIT_KEYS = {"AWS_S3_LOCKING_PROVIDER", "DELTA_DYNAMO_TABLE_NAME", "AWS_S3_ALLOW_UNSAFE_RENAME",
+                      "AWS_CONDITIONAL_PUT", "CONDITIONAL_PUT"}
 _TABLES: dict[tuple[str, str], tuple[DeltaTable, Any]] = {}  # per process: see DeltaTableAccess._table
 _TABLES_LOCK = threading.Lock()
 
@@ -127,9 +130,13 @@ class DeltaTableAccess(TwoPhaseCommitSink):
 
     def _commit_log(self) -> LocalLog | None:
         """The log a decision appends to itself: a local table's :class:`LocalLog`, an S3
-        table's :class:`StoreLog`; None elsewhere (delta-rs commits)."""
+        table's :class:`StoreLog`; None elsewhere (delta-rs commits), and on S3 when the
+        options name another way for delta-rs to commit safely (a locking provider such as
+        DynamoDB, or unsafe renames), which the store's conditional create would bypass."""
         if scheme_of(self.table_url) != "s3":
             return self._local_log()
+        if any(k.upper() in _OTHER_COMMIT_KEYS for k in self._delta_opts):
+            return None
         fs, root = self._fs()
         return store_log(fs, root, f"{self.table_url} {json.dumps(self._delta_opts, sort_keys=True, default=str)}")
 
