@@ -20,7 +20,8 @@ and the entry's ETag as its identity.
 
 Used only for local and S3 tables, appends, and protocols that need nothing but add actions and
 metaData (writer version 2 or lower, no table features); every other commit goes through
-delta-rs. On S3 only the decision uses it (tasks refresh a delta-rs table, as before). Partitioned tables included: each add carries its ``partitionValues``. A schema merge
+delta-rs. On S3 only the decision uses it (tasks refresh a delta-rs table, as before).
+Partitioned tables included: each add carries its ``partitionValues``. A schema merge
 (``schema_mode="merge"``) writes a ``metaData`` action with the merged schema in the same entry.
 """
 
