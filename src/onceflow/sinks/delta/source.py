@@ -71,7 +71,7 @@ from onceflow.sinks.delta.log import LogSnapshot
 from onceflow.sinks.delta.tasks import write_file, write_partitioned
 from onceflow.sinks.delta.upsert import merge, read_staged, staged_rule
 from onceflow.sinks.upserts import last_per_key
-from onceflow.storage import scheme_of
+from onceflow.storage import is_local, scheme_of
 
 log = logging.getLogger(__name__)
 
@@ -191,21 +191,21 @@ class DeltaDataSource(DeltaTableAccess):
         fs, path = self._fs()
         if self.upsert is not None:  # staged for the decision's MERGE, in the stream's schema
             name = file_name(task, self.epoch)
-            rows = write_file(fs, f"{path}/{name}", to_arrow_schema(schema), batches, self.row_group_rows, False)
+            rows, _ = write_file(fs, f"{path}/{name}", to_arrow_schema(schema), batches, self.row_group_rows, False)
             return ({"path": name, "task": task.partition, "rows": rows} if rows else None), rows
         view = self.__dict__.pop("_task_view", None) or self._view(task.lineage)
         parts, target, _ = self.write_plan(view, schema)
-        fs.makedirs(path, exist_ok=True)
+        if is_local(fs):  # an object store has no directories to make
+            fs.makedirs(path, exist_ok=True)
         if parts:
             name = dir_name(task.lineage, self.epoch, task.batch_id)
             files, rows = write_partitioned(fs, path, name, target, parts, batches, self.row_group_rows, overwrite)
             return ({"path": name, "files": files, "rows": rows} if files else None), rows
         name = file_name(task, self.epoch)
-        rows = write_file(fs, f"{path}/{name}", target, batches, self.row_group_rows, overwrite)
+        rows, size = write_file(fs, f"{path}/{name}", target, batches, self.row_group_rows, overwrite)
         if rows == 0 and not overwrite:
             return None, 0
-        return {"path": name, "size": fs.size(f"{path}/{name}"), "rows": rows,
-                "mtime": int(time.time() * 1000)}, rows
+        return {"path": name, "size": size, "rows": rows, "mtime": int(time.time() * 1000)}, rows
 
     # ---- driver ---------------------------------------------------------------------
 

@@ -26,10 +26,10 @@ def _conform(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 
 
 def write_file(fs, full: str, schema: pa.Schema, batches: Iterator, row_group_rows: int,
-               keep_empty: bool) -> int:
-    """All rows into one Parquet file at ``full``; the rows written. With no rows the file is
-    removed unless ``keep_empty`` (complete mode keeps an empty file)."""
-    rows = 0
+               keep_empty: bool) -> tuple[int, int]:
+    """All rows into one Parquet file at ``full``; (rows, bytes) written. With no rows the file
+    is removed unless ``keep_empty`` (complete mode keeps an empty file)."""
+    rows = size = 0
     with fs.open(full, "wb") as f:
         writer = None
         try:
@@ -45,9 +45,10 @@ def write_file(fs, full: str, schema: pa.Schema, batches: Iterator, row_group_ro
             if writer is None:  # no rows: a valid, empty file
                 writer = pq.ParquetWriter(f, schema, compression="snappy")
             writer.close()
+        size = f.tell()  # the file's size, without asking the store again
     if rows == 0 and not keep_empty:
         fs.rm(full)
-    return rows
+    return rows, size
 
 
 class _Part:
