@@ -29,6 +29,9 @@ duplicated rows cannot win. Sinks (``--sinks``, default by store):
   the same store with pyarrow, one file per task and batch, with no log and no commit: what the
   Arrow path is held against on an object store.
 
+``discard`` and ``pyparquet`` start inside ``onceflow.spark.query_conf``, as ``write_stream``'s
+query does, so they receive the same Arrow batches (100,000 rows); the bare format does not.
+
 With ``--store s3`` a moto S3 server is started for the run (``moto_server`` from the
 ``[dev]`` extra) and every table lives in a bucket there. Ratios are printed against the
 baseline of the same run: ``parquet`` locally, ``pyparquet`` on S3.
@@ -120,7 +123,7 @@ def _data_sources():
 def child(args) -> None:
     started = time.time()
     from onceflow.sinks.delta import DeltaSink
-    from onceflow.spark import get_spark
+    from onceflow.spark import get_spark, query_conf
 
     # every batch's progress is kept (Spark keeps the last 100 by default)
     spark = get_spark("local[2]", f"bench-peer-{args.child}",
@@ -137,7 +140,11 @@ def child(args) -> None:
         fmt = {"discard": "bench-discard", "pyparquet": "bench-pyparquet"}.get(args.child, args.child)
         writer = df.writeStream.format(fmt).option("path", out).option("checkpointLocation", ckpt)
     t0 = time.time()
-    q = writer.start()
+    if args.child in ("discard", "pyparquet"):  # the same Arrow batches as write_stream's query gets
+        with query_conf(spark, ckpt):
+            q = writer.start()
+    else:
+        q = writer.start()
     deadline = t0 + args.seconds
     while time.time() < deadline and q.exception() is None:
         time.sleep(0.05)

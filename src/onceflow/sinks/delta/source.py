@@ -210,7 +210,8 @@ class DeltaDataSource(DeltaTableAccess):
     # ---- driver ---------------------------------------------------------------------
 
     def decision(self, lineage: str, batch_id: int) -> Decision | None:
-        view = self._view(lineage)
+        # the decision's own log (S3: two HEAD requests while nobody else commits), not a refresh
+        view = self._view(lineage, log=None if self.upsert else self._commit_log())
         if view is None:
             return None
         version = view.transaction_version(self.app_id(lineage))
