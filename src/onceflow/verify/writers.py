@@ -1,6 +1,7 @@
 """``concurrent_writer``: another writer commits to the job's table while the job commits.
 
-For ``--outage-s`` seconds a writer in the verify process appends small batches of *foreign*
+For ``--outage-s`` seconds (longer, up to 30 s more, until the job has committed a batch
+meanwhile) a writer in the verify process appends small batches of *foreign*
 rows to the sink's Delta or Iceberg table, as another job or a user's notebook would: delta-rs
 ``write_deltalake`` or pyiceberg ``append``; a commit that loses a race (delta-rs refuses an
 append beside a MERGE that removed files; pyiceberg fails at once on any concurrent commit) is
@@ -26,6 +27,8 @@ from onceflow.verify.fault_base import Fault, Harness
 
 #: foreign rows per commit, and the pause between the writer's commits (seconds)
 ROWS_PER_COMMIT, PAUSE_S = 5, 0.2
+#: seconds the writer may go on past ``--outage-s`` until the job commits a batch meanwhile
+EXTRA_S = 30.0
 TABLE_SINKS = ("delta", "delta-jvm", "delta-upsert", "iceberg", "iceberg-upsert")
 
 
@@ -99,8 +102,13 @@ class ConcurrentWriter(Fault):
             else _Delta(h.spec.table)
         seq = len(h.events())
         commits, failed, last_error = 0, 0, ""
-        deadline = time.monotonic() + h.options.outage_s
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline = started + h.options.outage_s
+        # a race needs both writers committing: past --outage-s the writer goes on (at most
+        # EXTRA_S more) until the job has committed a batch meanwhile (a job slowed by a kill's
+        # recovery or a busy machine had none yet)
+        cap = deadline + EXTRA_S
+        while (now := time.monotonic()) < deadline or (now < cap and self._job_commits(h, seq) == 0):
             first = len(h.foreign) + 1
             ids = -np.arange(first, first + ROWS_PER_COMMIT, dtype=np.int64)
             try:
@@ -112,9 +120,14 @@ class ConcurrentWriter(Fault):
                 h.foreign.extend(ids.tolist())
                 commits += 1
             time.sleep(PAUSE_S)
-        during = sum(1 for e in h.events()[seq:] if e["event"] == "sink_commit" and e["rows"])
+        during = self._job_commits(h, seq)
         return (f"{commits} foreign commits ({commits * ROWS_PER_COMMIT} rows, {failed} failed) for "
-                f"{h.options.outage_s:.0f}s; the job committed {during} batch(es) meanwhile{last_error}")
+                f"{time.monotonic() - started:.0f}s; the job committed {during} batch(es) meanwhile{last_error}")
+
+    @staticmethod
+    def _job_commits(h: Harness, seq: int) -> int:
+        """The job's batches with rows committed since event ``seq``."""
+        return sum(1 for e in h.events()[seq:] if e["event"] == "sink_commit" and e["rows"])
 
 
 def split_foreign(table: pa.Table, foreign: list[int]) -> tuple[pa.Table, list[str]]:
