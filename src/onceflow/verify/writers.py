@@ -89,7 +89,8 @@ class _Iceberg:
 
 class ConcurrentWriter(Fault):
     name, help = "concurrent_writer", ("another writer appends rows to the sink's Delta or Iceberg table "
-                                       "for --outage-s seconds, racing the job's commits")
+                                       "for --outage-s seconds (longer, until the job committed a batch meanwhile), racing "
+                                       "the job's commits")
     stream_s = 60
 
     def unavailable(self, h: Harness) -> str | None:
