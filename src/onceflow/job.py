@@ -22,6 +22,7 @@ from onceflow.checkpoint.config import CheckpointConfig
 from onceflow.durations import seconds  # noqa: F401 - importable from here, as before
 from onceflow.errors import ConfigError
 from onceflow.runtime.launch import restore_request, run_in_process
+from onceflow.runtime.metrics.progress import observe_event_time
 from onceflow.runtime.restart import RestartStrategy, default_strategy
 from onceflow.savepoint.context import RestoreContext, check_arity
 from onceflow.savepoint.context import call as call_with_context
@@ -62,6 +63,10 @@ class Job:
     spark_conf: dict[str, str] = field(default_factory=dict)
     #: stop once no data has been available for this many seconds (bounded inputs, demos, tests)
     stop_when_idle: float | None = None
+    #: the source column whose newest value per committed batch is the freshness metric
+    #: (``onceflow_newest_event_age_seconds``): ``"auto"`` takes the source's first timestamp
+    #: column (Kafka's ``timestamp``), a name that column, ``None`` none
+    event_time: str | None = "auto"
     #: options for object-store URLs (checkpoint's event log and lease, savepoints, sinks without
     #: their own), fsspec or delta-rs keys; registered for the process (docs/object-stores.md)
     storage_options: Mapping[str, Any] | None = None
@@ -82,10 +87,10 @@ class Job:
             self.storage_options = configure(self.storage_options)
 
     def dataframe(self, spark: SparkSession, context: RestoreContext | None = None) -> DataFrame:
-        """The job's DataFrame: ``source`` then ``transform``, each given ``context`` when it
-        takes a second argument (see :class:`onceflow.RestoreContext`)."""
+        """The job's DataFrame: ``source`` (observed for its ``event_time``), then ``transform``,
+        each given ``context`` when it takes a second argument (see :class:`onceflow.RestoreContext`)."""
         context = context or RestoreContext("fresh")
-        df = call_with_context(self.source, spark, context)
+        df = observe_event_time(call_with_context(self.source, spark, context), self.event_time)
         if self.transform is not None:
             df = call_with_context(self.transform, df, context)
         return df

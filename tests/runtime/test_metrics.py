@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -293,7 +294,7 @@ def test_a_scrape_reads_memory_only_and_the_drivers_own_events_count_at_once(tmp
     log = metrics.event_log(ckpt)
     assert isinstance(log, metrics.ObservedEventLog)
     t0 = time.time()
-    log.append("batch", batch=1, input_rows=10, duration_ms=1500,
+    log.append("batch", batch=1, input_rows=10, duration_ms=1500, newest_event_ts=t0 - 30.0,
                lag={"orders": {"0": 5, "1": 0}},
                state=[{"id": 0, "name": "dedupe", "rows": 2000, "memory_bytes": 4_202_880,
                        "checkpoint_bytes": 123_456}], state_bytes=123_456, state_batch=1)
@@ -309,6 +310,8 @@ def test_a_scrape_reads_memory_only_and_the_drivers_own_events_count_at_once(tmp
     m = _scrape(port)
     assert m["onceflow_job_lastCheckpointSize"] == 123_456
     assert m["onceflow_last_commit_age_seconds"] <= time.time() - t0 + 0.5
+    assert m["onceflow_newest_event_timestamp_seconds"] == t0 - 30.0
+    assert 30.0 <= m["onceflow_newest_event_age_seconds"] <= time.time() - t0 + 30.5
     assert m["onceflow_records_out_total"] == 100 and m["onceflow_replayed_batches_skipped_total"] == 1
     assert m["onceflow_replayed_records_skipped_total"] == 100
     time.sleep(1.0)  # the age is computed at scrape time
@@ -405,6 +408,37 @@ def test_state_size_is_the_checkpoints_bytes_per_operator_and_a_failed_batch_is_
         assert out.exit_code == 0, out.output
         assert f"{on_ckpt[0]:,} bytes on the checkpoint, {keys:,} keys" in out.output, out.output
     assert last[20000] > 5 * last[2000], last
+
+
+def test_each_batch_event_has_the_newest_event_time_it_read_and_a_wrong_column_is_named(spark, tmp_path):
+    """The sequence source's ``event_time`` is its id in milliseconds: 5,000 ids in batches of
+    2,000 end at 1.999 s, 3.999 s and 4.999 s, and each batch event says so (Spark's observe on
+    the source's first timestamp column); the gauge keeps the newest. A named column that is
+    missing or not a timestamp is refused before the query starts. Old code: no
+    ``newest_event_ts``, and ``event_time`` was not an option."""
+    from onceflow.errors import ConfigError
+    from onceflow.job import CheckpointConfig, Job
+    from onceflow.runtime.metrics import JobMetrics
+    from onceflow.sinks.delta import DeltaSink
+
+    def source(s):
+        return (s.readStream.format("onceflow-sequence").option("total", 5000).option("rows_per_second", 10**9)
+                .option("max_rows_per_batch", 2000).load())
+
+    ckpt = str(tmp_path / "ckpt")
+    Job(name="fresh", source=source, sink=DeltaSink(str(tmp_path / "t")), checkpoint=CheckpointConfig(ckpt, interval=0),
+        stop_when_idle=1.0).run(spark=spark)
+    events = list(EventLog(ckpt).read())
+    batches = [e for e in events if e["event"] == "batch" and e["input_rows"]]
+    assert [(b["input_rows"], b["newest_event_ts"]) for b in batches] == [(2000, 1.999), (2000, 3.999), (1000, 4.999)]
+    jm = JobMetrics("fresh")
+    for e in events:
+        jm.apply(e)
+    assert jm.newest_event_ts == 4.999 and jm.event_age_s(now=10.0) == 10.0 - 4.999
+    for column, says in (("created", "has no such column (it has id, key, event_time)"), ("id", "is a bigint, not a timestamp")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            Job(name="wrong", source=source, sink=DeltaSink(str(tmp_path / "w")), event_time=column,
+                checkpoint=CheckpointConfig(str(tmp_path / "w-ckpt"))).dataframe(spark)
 
 
 def test_kafka_lag_per_partition_is_in_the_batch_events(spark, tmp_path):

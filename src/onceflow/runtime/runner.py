@@ -486,12 +486,15 @@ class JobRunner:
         return seen, new
 
     def _state_and_lag(self, p) -> dict:
-        """The batch event's ``lag`` (records per topic and partition, where the source reports
+        """The batch event's ``newest_event_ts`` (the newest event time it read, where the job
+        observes one), ``lag`` (records per topic and partition, where the source reports
         its latest offsets), ``lag_ms`` (per stream and shard: Kinesis) and ``state`` per
         operator: keys, in-memory estimate and bytes on the checkpoint (``state_bytes``: all
         operators; measured at most every N seconds, for the batch named in ``state_batch``)."""
         out: dict = {}
-        lag, lag_ms = metrics.source_lag(p), metrics.source_lag_ms(p)
+        lag, lag_ms, newest = metrics.source_lag(p), metrics.source_lag_ms(p), metrics.newest_event_ts(p)
+        if newest is not None:
+            out["newest_event_ts"] = newest
         if lag:
             out["lag"] = lag
         if lag_ms:

@@ -26,6 +26,7 @@ from onceflow.runtime.metrics.follow import Follower
 from onceflow.runtime.metrics.progress import (
     StateSize,
     checkpoint_state_bytes,
+    newest_event_ts,
     source_lag,
     source_lag_ms,
     state_operators,
@@ -33,7 +34,7 @@ from onceflow.runtime.metrics.progress import (
 from onceflow.runtime.metrics.state import JobMetrics
 
 __all__ = ["PORT_ENV", "Collector", "Follower", "JobMetrics", "ObservedEventLog", "StateSize",
-           "checkpoint_state_bytes", "event_log", "serve", "source_lag", "source_lag_ms",
+           "checkpoint_state_bytes", "event_log", "newest_event_ts", "serve", "source_lag", "source_lag_ms",
            "state_operators"]
 
 PORT_ENV = "ONCEFLOW_METRICS_PORT"

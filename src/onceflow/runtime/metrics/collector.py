@@ -75,6 +75,10 @@ class Collector:
                   "(epoch seconds)", m.last_commit_ts, unit="seconds")
         yield one(GaugeMetricFamily, "last_commit_age", "seconds since the last committed batch "
                   "(at scrape time)", m.commit_age_s(), unit="seconds")
+        yield one(GaugeMetricFamily, "newest_event_timestamp", "event time of the newest event a committed "
+                  "batch read (Job.event_time; epoch seconds)", m.newest_event_ts, unit="seconds")
+        yield one(GaugeMetricFamily, "newest_event_age", "seconds from the newest committed event's time to "
+                  "now (at scrape time): exactly-once freshness", m.event_age_s(), unit="seconds")
         yield one(GaugeMetricFamily, "last_batch_id", "id of the last batch committed", m.last_batch)
         yield one(GaugeMetricFamily, "uptime", "seconds since this driver started",
                   time.time() - m.started, unit="seconds")

@@ -1,5 +1,6 @@
-"""Figures the driver derives per batch: source lag and state per operator from Spark's progress
-report, and the state's true size on the checkpoint (cached: listed at most every N seconds)."""
+"""Figures the driver derives per batch: source lag, the newest event's time and state per
+operator from Spark's progress report, and the state's true size on the checkpoint (cached:
+listed at most every N seconds)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from onceflow.checkpoint.layout import CheckpointDir
+from onceflow.errors import ConfigError
 from onceflow.settings import setting
 from onceflow.sources import LAG_MS_KEY
 from onceflow.storage import is_local
@@ -35,6 +37,43 @@ def _offsets(value: Any) -> dict | None:
         except ValueError:
             return None
     return value if isinstance(value, dict) else None
+
+
+#: name of the observation (Spark's ``DataFrame.observe``) of the newest event time of a batch
+EVENT_TIME_METRIC = "onceflow_event_time"
+
+
+def observe_event_time(df: Any, column: str | None) -> Any:
+    """``df`` observed for the newest value of its event-time ``column`` in each batch (Spark's
+    ``observe``: a running max in the tasks, reported with the batch's progress, no extra job).
+
+    ``"auto"``: the first timestamp column (Kafka's ``timestamp``, Kinesis's
+    ``approximateArrivalTimestamp``), none when there is none; ``None``: not observed.
+    Raises :class:`ConfigError` for a named column that is missing or not a timestamp."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import TimestampType
+
+    if column is None:
+        return df
+    fields = {f.name: f for f in df.schema.fields}
+    if column == "auto":
+        column = next((f.name for f in df.schema.fields if isinstance(f.dataType, TimestampType)), None)
+        if column is None:
+            return df
+    elif column not in fields:
+        raise ConfigError(f"Job.event_time={column!r}: the source has no such column (it has "
+                          f"{', '.join(fields) or 'none'}); name a timestamp column, or None")
+    elif not isinstance(fields[column].dataType, TimestampType):
+        raise ConfigError(f"Job.event_time={column!r} is a {fields[column].dataType.simpleString()}, not a "
+                          "timestamp; convert it in the source (to_timestamp) or set event_time=None")
+    return df.observe(EVENT_TIME_METRIC, F.max(F.unix_micros(F.col(column))).alias("newest_us"))
+
+
+def newest_event_ts(progress: Any) -> float | None:
+    """The newest event time of the batch (epoch seconds; :func:`observe_event_time`), if any."""
+    row = (_get(progress, "observedMetrics") or {}).get(EVENT_TIME_METRIC)
+    value = _get(row, "newest_us") if row is not None else None
+    return value / 1e6 if isinstance(value, int) else None
 
 
 def source_lag(progress: Any) -> dict[str, dict[str, int]] | None:

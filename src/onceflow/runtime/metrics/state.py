@@ -71,6 +71,7 @@ class JobMetrics:
         self.last_batch: int | None = None
         self.last_duration_ms = 0
         self.last_commit_ts: float | None = None
+        self.newest_event_ts: float | None = None  # the newest event time a committed batch read
         self.batch_seconds = Histogram(BATCH_BUCKETS)
         self.commit_seconds = Histogram(COMMIT_BUCKETS)
         self.lag: dict[tuple[str, str], int] = {}  # (topic or stream, partition or shard) -> records
@@ -131,6 +132,8 @@ class JobMetrics:
             self._batch_rows[batch] = rows
             if len(self._batch_rows) > 1000:
                 self._batch_rows.pop(min(self._batch_rows))
+        if e.get("newest_event_ts") is not None:
+            self.newest_event_ts = max(float(e["newest_event_ts"]), self.newest_event_ts or float("-inf"))
         if isinstance(e.get("lag"), dict):
             self.lag = {(str(t), str(p)): int(n) for t, parts in e["lag"].items()
                         for p, n in (parts or {}).items()}
@@ -164,3 +167,9 @@ class JobMetrics:
         if self.last_commit_ts is None:
             return None
         return max(0.0, (now or time.time()) - self.last_commit_ts)
+
+    def event_age_s(self, now: float | None = None) -> float | None:
+        """Seconds from the newest committed event's time to now (None: none observed yet)."""
+        if self.newest_event_ts is None:
+            return None
+        return (now or time.time()) - self.newest_event_ts
