@@ -12,9 +12,10 @@ from onceflow.errors import ConfigError
 #: checkpointing). Spark's default, 60 s, leaves a driver that dies sooner every changelog since
 #: the last uploaded snapshot to replay when the next one loads the state, and a job that keeps
 #: failing replays more each time: 200,000 keys, 3 kills 35 s apart, recovery median 11.8 s with
-#: 60 s and 7.0 s with 10 s (benchmarks/bench_recovery.py --pipelines state). A job's own
-#: ``spark.sql.streaming.stateStore.maintenanceInterval`` wins.
-MAINTENANCE_INTERVAL = "10s"
+#: 60 s and 7.0 s with 10 s; 2,000,000 keys: 9.1 s with 10 s, 7.0 s with 2 s, 7.1 s with 1 s
+#: (benchmarks/bench_recovery.py --pipelines state). A round with nothing new to upload costs
+#: next to nothing. A job's own ``spark.sql.streaming.stateStore.maintenanceInterval`` wins.
+MAINTENANCE_INTERVAL = "2s"
 
 
 @dataclass
@@ -24,7 +25,7 @@ class CheckpointConfig:
     ``directory``: any filesystem URL Spark and fsspec understand (local path in tests).
     ``interval``: trigger interval (Flink's checkpoint interval). ``state_backend``:
     ``hashmap`` (Spark's HDFS-backed store) or ``rocksdb``; ``incremental`` turns on RocksDB
-    changelog checkpointing (and state maintenance every 10 s instead of Spark's 60, so that
+    changelog checkpointing (and state maintenance every 2 s instead of Spark's 60, so that
     snapshots keep the changelog a restart replays short). ``batches_retained``: Spark's ``minBatchesToRetain``.
     ``batch_timeout``: a batch running longer fails the attempt (restart strategy applies).
     ``min_pause``: at least this long between the end of one batch's sink commit and the
