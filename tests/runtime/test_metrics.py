@@ -205,13 +205,14 @@ def test_the_grafana_dashboard_uses_only_exported_metrics():
                 "onceflow_last_commit_age_seconds", "onceflow_last_batch_id", "onceflow_uptime_seconds",
                 "onceflow_source_lag_records", "onceflow_source_lag_seconds", "onceflow_state_checkpoint_bytes",
                 "onceflow_state_rows",
-                "onceflow_state_memory_bytes", "onceflow_last_commit_timestamp_seconds"}
+                "onceflow_state_memory_bytes", "onceflow_last_commit_timestamp_seconds",
+                "onceflow_newest_event_timestamp_seconds", "onceflow_newest_event_age_seconds"}
     exported |= {f"onceflow_{h}_duration_seconds_{s}" for h in ("batch", "commit") for s in ("bucket", "sum", "count")}
     assert names and names <= exported, names - exported
     for wanted in ("onceflow_records_out_total", "onceflow_last_commit_age_seconds", "onceflow_source_lag_records",
                    "onceflow_source_lag_seconds",
                    "onceflow_batch_duration_seconds_bucket", "onceflow_commit_duration_seconds_bucket",
-                   "onceflow_restarts_total", "onceflow_state_checkpoint_bytes"):
+                   "onceflow_restarts_total", "onceflow_state_checkpoint_bytes", "onceflow_newest_event_age_seconds"):
         assert wanted in names, wanted
 
 

@@ -91,6 +91,31 @@ def test_a_concurrent_writer_committing_first_during_a_decision_and_between_batc
     assert sorted(ids) == [-3, -2, -1, 1, 2, 3, 4, 5]  # each once, the other writer's rows kept
 
 
+def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_nothing(s3):
+    """A decision looks at the latest state twice (the decision lookup, the decision), each time
+    asking whether the next log entry exists: one HEAD (404). s3fs's ``exists`` followed each
+    404 with a listing of the entry as a directory. Old code: two LISTs of ``.../N.json/``."""
+    url = f"s3://{s3.bucket()}/table"
+    ds = DeltaDataSource({"path": url, "storage_options": json.dumps(s3.options)})
+    schema = StructType([StructField("id", LongType())])
+    ds.write_schema = schema
+    lineage = str(uuid.uuid4())
+    ds.open(lineage)
+    first = _batch(ds, lineage, 1, [1, 2])
+    ds.decide(first, schema, False)
+    ds.commit(first)
+    second = _batch(ds, lineage, 2, [3])
+    seen = len(s3.requests)
+    assert ds.decision(lineage, 2) is None
+    ds.decide(second, schema, False)
+    ds.commit(second)
+    log = [r for r in s3.requests[seen:] if "_delta_log" in r[1] or "_delta_log" in r[5]]
+    assert not [r for r in log if r[0] == "GET" and ".json%2F" in r[5]], log  # no entry listed as a directory
+    assert [r[4] for r in log if r[0] == "HEAD" and r[1].endswith("00000000000000000002.json")] == ["404", "404", "200"], log
+    assert [r[4] for r in log if r[0] == "PUT"] == ["200"], log
+    assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [1, 2, 3]
+
+
 def test_spark_job_to_delta_on_s3a_exactly_once_beside_a_concurrent_writer(spark, s3_server, tmp_path, monkeypatch):
     """A real query; the storage options come only from ``Job(storage_options=...)`` (no
     environment variable), so they must travel with the sink's options to the executors."""

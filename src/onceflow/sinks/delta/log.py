@@ -193,9 +193,11 @@ class StoreLog(LocalLog):
     """The log of one table on S3, appended the same way: the store's conditional create is the
     put-if-absent (s3fs sends ``If-None-Match: *``; S3 answers 412 when the entry exists, which
     s3fs raises as FileExistsError, as delta-rs's own commits on S3 rely on), and an entry's
-    ETag is its identity (a table deleted and created again is noticed). A decision then costs
-    two HEAD requests, the PUT and a HEAD, where a delta-rs commit refreshed the table (a
-    listing of ``_delta_log`` and a GET per new entry) and then committed."""
+    ETag is its identity (a table deleted and created again is noticed). A look at the latest
+    state costs two HEAD requests (the entry held, the next one: absent), a decision two such
+    looks (the decision lookup's, the decision's), the PUT and a HEAD, where a delta-rs commit
+    refreshed the table (a listing of ``_delta_log`` and a GET per new entry) and then
+    committed."""
 
     def __init__(self, fs: Any, root: str):
         super().__init__(root)
@@ -210,6 +212,18 @@ class StoreLog(LocalLog):
         return info.get("ETag") or info.get("etag") or (info.get("size"), info.get("LastModified"))
 
     def _exists(self, version: int) -> bool:
+        """One HEAD request: s3fs's ``exists`` follows a missing key (the usual answer here,
+        twice per batch) with a listing of it as a directory."""
+        call = getattr(self.fs, "call_s3", None)
+        if call is not None:
+            bucket, key, _ = self.fs.split_path(self.entry(version))
+            try:
+                call("head_object", self.fs.kwargs, Bucket=bucket, Key=key)
+                return True
+            except FileNotFoundError:
+                return False
+            except Exception:  # noqa: BLE001 - any other answer: s3fs's own check raises it as usual
+                pass
         return bool(self.fs.exists(self.entry(version)))
 
     def _create(self, version: int, data: bytes) -> bool:
