@@ -92,9 +92,11 @@ def test_a_concurrent_writer_committing_first_during_a_decision_and_between_batc
 
 
 def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_nothing(s3):
-    """A decision looks at the latest state twice (the decision lookup, the decision), each time
-    asking whether the next log entry exists: one HEAD (404). s3fs's ``exists`` followed each
-    404 with a listing of the entry as a directory. Old code: two LISTs of ``.../N.json/``."""
+    """The decision lookup asks whether the next log entry exists: one HEAD (404). s3fs's
+    ``exists`` followed each 404 with a listing of the entry as a directory (old code: two LISTs
+    of ``.../N.json/``). The decision itself does not ask again (its conditional PUT is that
+    check) and takes the new entry's ETag from the PUT's answer (stop 42's code: HEADs 404, 404,
+    200)."""
     url = f"s3://{s3.bucket()}/table"
     ds = DeltaDataSource({"path": url, "storage_options": json.dumps(s3.options)})
     schema = StructType([StructField("id", LongType())])
@@ -111,9 +113,48 @@ def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_no
     ds.commit(second)
     log = [r for r in s3.requests[seen:] if "_delta_log" in r[1] or "_delta_log" in r[5]]
     assert not [r for r in log if r[0] == "GET" and ".json%2F" in r[5]], log  # no entry listed as a directory
-    assert [r[4] for r in log if r[0] == "HEAD" and r[1].endswith("00000000000000000002.json")] == ["404", "404", "200"], log
+    assert [r[4] for r in log if r[0] == "HEAD" and r[1].endswith("00000000000000000002.json")] == ["404"], log
     assert [r[4] for r in log if r[0] == "PUT"] == ["200"], log
     assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [1, 2, 3]
+
+
+def test_a_task_on_s3_reads_new_log_entries_forward_and_skips_a_batch_only_on_a_verified_view(s3):
+    """A task brings the log state its process saw forward by reading each new entry once (a
+    GET, and one 404 for the entry not written yet) instead of a delta-rs refresh (stop 42's
+    code: a HEAD, a LIST of ``_delta_log``, two GETs of the new entry, a HEAD and a GET of it
+    again). That view is advisory: when the table was deleted and created again, the task still
+    writes the batch its stale view called decided."""
+    url = f"s3://{s3.bucket()}/table"
+    opts = {"path": url, "storage_options": json.dumps(s3.options)}
+    ds = DeltaDataSource(opts)
+    schema = StructType([StructField("id", LongType())])
+    ds.write_schema = schema
+    lineage = str(uuid.uuid4())
+    ds.open(lineage)
+    first = _batch(ds, lineage, 1, [1, 2])
+    ds.decide(first, schema, False)
+    ds.commit(first)
+    task = DeltaDataSource({**opts, "epoch": str(ds.epoch)})
+    assert not task.is_decided(lineage, 2)  # the process's state is read once
+    _other_writer_append(url, s3.options, [-1])  # another process commits the next version
+
+    seen = len(s3.requests)
+    assert not task.is_decided(lineage, 2)
+    second = _batch(task, lineage, 2, [3])
+    log = [(r[0], r[1].rsplit("/", 1)[-1], r[4]) for r in s3.requests[seen:]
+           if "_delta_log" in r[1] or "_delta_log" in r[5]]
+    version = _table(url, s3.options).version()
+    assert log == [("GET", f"{version:020d}.json", "200"), ("GET", f"{version + 1:020d}.json", "404")], log
+    ds.decide(second, schema, False)
+    ds.commit(second)
+    assert task.is_decided(lineage, 2)  # confirmed on the table loaded afresh
+
+    # the table deleted and created again: the task's forward view still says "decided"
+    fs, root = storage.url_to_fs(url, s3.options)
+    fs.rm(root, recursive=True)
+    _other_writer_append(url, s3.options, [-5])
+    assert not task.is_decided(lineage, 2)
+    assert _batch(task, lineage, 2, [7]).handles[0]["rows"] == 1
 
 
 def test_spark_job_to_delta_on_s3a_exactly_once_beside_a_concurrent_writer(spark, s3_server, tmp_path, monkeypatch):

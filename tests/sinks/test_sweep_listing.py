@@ -5,8 +5,9 @@ every file of its lineage in the table directory to find late losers, and a tabl
 keeps every file ever committed, so each commit's listing grew with the table (about 1,000 names
 per request: a day of a batch a second, two files each, is 170 requests per commit). Now the
 listing is bounded by name prefixes (``sinks/files.py``: ``sweep_prefixes``); what it must still
-find: the late file of a recent batch at the next commit, and a zombie's late file of an older
-epoch at the next 100th batch. Real moto server, the sink's own task code writes the files.
+find: the late file of a recent batch at the next 10th batch's commit (which lists the last 20:
+a listing at every commit was two of a batch's twelve requests), and a zombie's late file of an
+older epoch at the next 100th batch. Real moto server, the sink's own task code writes the files.
 """
 
 from __future__ import annotations
@@ -68,8 +69,15 @@ def test_a_commit_lists_the_recent_batches_and_still_sweeps_their_late_files(s3)
 
     before = len(s3.requests)
     commit(1013)
-    # one small listing per prefix (was 2 pages: every file of the lineage, 1,000 per request)
-    assert listings(before) == [f"table/part-of-{lineage}-e{mine}-b00000010{d}" for d in (0, 1)]
+    assert listings(before) == []  # between sweeps: nothing listed (the late file waits)
+    assert fs.exists(f"{root}/{late['path']}")
+    for batch in range(1014, 1020):
+        commit(batch)
+    before = len(s3.requests)
+    commit(1020)
+    # one small listing, of the last 20 batches (was 2 pages: every file of the lineage, 1,000
+    # per request)
+    assert listings(before) == [f"table/part-of-{lineage}-e{mine}-b00000010"]
     assert not fs.exists(f"{root}/{late['path']}")  # the recent straggler's file: swept
     assert fs.exists(f"{root}/{zombie['path']}")  # an older epoch waits for the 100th batch
     commit(1100)

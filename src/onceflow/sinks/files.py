@@ -108,10 +108,12 @@ def parse_unit(name: str) -> tuple[str, int, int] | None:
     return None if m is None else (m["lineage"], int(m["epoch"] or 0), int(m["batch"]))
 
 
-#: A commit's sweep on an object store (:func:`sweep_prefixes`): every commit looks at the last
-#: SWEEP_RECENT batches under the committing driver's epoch; every SWEEP_ALL_EVERY-th batch at
-#: every batch the process decided, under that epoch and the SWEEP_EPOCHS before it (the zombies
-#: of the last takeovers; older ones are recovery's, at the next start).
+#: A commit's sweep on an object store (:func:`sweep_prefixes`): every SWEEP_RECENT-th batch's
+#: commit looks at the last 2 x SWEEP_RECENT batches under the committing driver's epoch (a
+#: listing per batch was two of the twelve requests of a batch); every SWEEP_ALL_EVERY-th batch
+#: at every batch the process decided, under that epoch and the SWEEP_EPOCHS before it (the
+#: zombies of the last takeovers; older ones are recovery's, at the next start). Late files are
+#: invisible (no decision lists them) until then.
 SWEEP_RECENT, SWEEP_ALL_EVERY, SWEEP_EPOCHS = 10, 100, 2
 
 
@@ -131,8 +133,10 @@ def sweep_prefixes(lineage: str, batch_id: int, mine: int | None, decided: Itera
     top = mine or 0
     if batch_id % SWEEP_ALL_EVERY == 0:
         low, epochs = min([batch_id, *decided]), range(top, max(-1, top - SWEEP_EPOCHS - 1), -1)
+    elif batch_id % SWEEP_RECENT == 0:
+        low, epochs = max(0, batch_id - 2 * SWEEP_RECENT), range(top, top - 1, -1)
     else:
-        low, epochs = max(0, batch_id - SWEEP_RECENT), range(top, top - 1, -1)
+        return []  # between sweeps: nothing listed
     return [f"part-of-{lineage}-e{e}-b{p}" for e in epochs for p in _cover(low, batch_id)]
 
 

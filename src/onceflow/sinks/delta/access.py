@@ -140,23 +140,36 @@ class DeltaTableAccess(TwoPhaseCommitSink):
         fs, root = self._fs()
         return store_log(fs, root, f"{self.table_url} {json.dumps(self._delta_opts, sort_keys=True, default=str)}")
 
-    def _view(self, lineage: str, fast: bool = True, log: LocalLog | None = None) -> LogSnapshot | DeltaTable | None:
+    def _view(self, lineage: str, fast: bool = True, log: LocalLog | None = None,
+              latest: bool = True) -> LogSnapshot | DeltaTable | None:
         """The latest state for the decision checks of ``lineage`` (None: no table yet).
 
         ``fast``: a :class:`LogSnapshot` of ``log`` (default: a local table's
         :class:`LocalLog`) when onceflow can append to it, at the cost of two ``stat`` calls
-        (two HEAD requests on S3) while no one else commits; otherwise (and for commits that
-        delta-rs must make) the delta-rs table, brought up to date."""
+        (two HEAD requests on S3) while no one else commits, one with ``latest=False`` (see
+        :meth:`LocalLog.snapshot`); otherwise (and for commits that delta-rs must make) the
+        delta-rs table, brought up to date."""
         apps = (self.app_id(lineage), self.epoch_app_id(lineage))
         local = (log or self._local_log()) if fast else None
         if local is not None:
-            snap = local.snapshot(apps)
+            snap = local.snapshot(apps, latest)
             if snap is not None:
                 return snap
         table = self._table()
         if table is not None and local is not None:
             return local.sync(table, apps) or table
         return table
+
+    def _forward_view(self, lineage: str) -> LogSnapshot | DeltaTable | None:
+        """What a task writes for: the table's log read forward from what this process saw
+        last (:meth:`LocalLog.advance`: one read per new entry, ``verified=False``), else
+        :meth:`_view`. The decision checks the task's partitioning and schema again."""
+        log = self._commit_log()
+        if log is not None:
+            ahead = log.advance((self.app_id(lineage), self.epoch_app_id(lineage)))
+            if ahead is not None:
+                return ahead
+        return self._view(lineage, log=log)
 
     def _checkpoint_log(self, local: LocalLog, version: int) -> None:
         """Every ``delta.checkpointInterval`` versions appended by :class:`LocalLog`: a

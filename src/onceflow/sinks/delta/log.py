@@ -18,9 +18,15 @@ checkpoint and remove expired log entries, which delta-rs's post-commit hook wou
 :class:`StoreLog` does the same on S3, with the store's conditional create as the put-if-absent
 and the entry's ETag as its identity.
 
+Tasks read the log forward instead (:meth:`LocalLog.advance`): the state they last saw plus the
+log entries written since, one read each and one for the entry not written yet, where a
+delta-rs refresh listed the log directory and read each new entry twice (on S3: six requests
+per task and batch instead of two). Their view is advisory: the decision checks everything
+again, and a task skips a batch as decided only on a verified view.
+
 Used only for local and S3 tables, appends, and protocols that need nothing but add actions and
 metaData (writer version 2 or lower, no table features); every other commit goes through
-delta-rs. On S3 only the decision uses it (tasks refresh a delta-rs table, as before).
+delta-rs.
 Partitioned tables included: each add carries its ``partitionValues``. A schema merge
 (``schema_mode="merge"``) writes a ``metaData`` action with the merged schema in the same entry.
 """
@@ -39,11 +45,14 @@ from typing import Any
 from urllib.parse import quote
 
 from deltalake import DeltaTable
+from fsspec.asyn import sync
 
 from onceflow import __version__
 
 #: errors of ``os.link`` that mean the filesystem has no hard links
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
+#: new log entries a task reads forward at most; beyond, a delta-rs load (from its checkpoint)
+MAX_FORWARD = 50
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,9 @@ class LogSnapshot:
     txns: Mapping[str, int | None] = field(default_factory=dict)
     #: the table's metaData action at this version (``schemaString``, ``partitionColumns``...)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    #: False for a task's view read forward (:meth:`LocalLog.advance`): the entry it started
+    #: from was not checked to be still the table's (a table deleted and created again)
+    verified: bool = True
 
     @property
     def partition_columns(self) -> tuple[str, ...]:
@@ -77,6 +89,7 @@ class LocalLog:
         self.log_dir = os.path.join(root, "_delta_log")
         self._lock = threading.Lock()
         self._snap: LogSnapshot | None = None
+        self._ahead: LogSnapshot | None = None  # the tasks' view (:meth:`advance`)
         self.eligible = False
         #: False once the filesystem refused a hard link (then delta-rs commits, as before)
         self.links = True
@@ -96,10 +109,20 @@ class LocalLog:
     def _exists(self, version: int) -> bool:
         return os.path.exists(self.entry(version))
 
-    def _create(self, version: int, data: bytes) -> bool:
+    def _read(self, version: int) -> tuple[bytes, Any] | None:
+        """The entry of ``version`` and its identity, in one read; None when there is none."""
+        try:
+            with open(self.entry(version), "rb") as f:
+                st = os.fstat(f.fileno())
+                return f.read(), (st.st_ino, st.st_mtime_ns)
+        except FileNotFoundError:
+            return None
+
+    def _create(self, version: int, data: bytes) -> Any | None:
         """Put the entry of ``version`` if absent: a complete temporary file hard-linked to its
-        name. False when the entry exists or the filesystem has no hard links (nothing
-        committed); OSError for any other failure to write (a full disk), nothing committed."""
+        name; the new entry's identity. None when the entry exists or the filesystem has no hard
+        links (nothing committed); OSError for any other failure to write (a full disk),
+        nothing committed."""
         tmp = os.path.join(self.log_dir, f"_commit_{uuid.uuid4().hex}.json.tmp")
         try:
             with open(tmp, "wb") as f:  # a full disk raises here: nothing committed
@@ -111,16 +134,19 @@ class LocalLog:
                     raise
                 if e.errno in _NO_LINKS:
                     self.links = False  # delta-rs commits from now on
-                return False
+                return None
         finally:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        return True
+        return self._ident(version)
 
-    def snapshot(self, apps: Iterable[str]) -> LogSnapshot | None:
-        """The latest state, if it is still the latest and holds ``apps``; else None."""
+    def snapshot(self, apps: Iterable[str], latest: bool = True) -> LogSnapshot | None:
+        """The latest state, if it is still the latest and holds ``apps``; else None.
+
+        ``latest=False`` leaves out the check that the next entry does not exist, for a caller
+        whose next step is :meth:`append`: its conditional create is that check."""
         with self._lock:
             snap = self._snap
         if snap is None or not (self.eligible and self.links) or any(a not in snap.txns for a in apps):
@@ -130,7 +156,52 @@ class LocalLog:
                 return None  # the table was replaced
         except FileNotFoundError:
             return None
-        return None if self._exists(snap.version + 1) else snap
+        return None if latest and self._exists(snap.version + 1) else snap
+
+    def advance(self, apps: Iterable[str]) -> LogSnapshot | None:
+        """A task's view: the newest state this process holds, brought forward by reading each
+        log entry after it once (their ``txn`` and ``metaData`` actions applied in order), up
+        to the first entry that does not exist. None when nothing is held for ``apps``, an
+        entry changes the protocol or cannot be parsed, or more than :data:`MAX_FORWARD`
+        entries are new: the caller then loads the table and calls :meth:`sync`.
+
+        Advisory (``verified=False``): the entry it starts from is not checked to be still the
+        table's. What a task writes for is checked again by the decision; a task must confirm
+        "already decided" on a verified view before it skips a batch."""
+        apps = tuple(apps)
+        with self._lock:
+            held = [s for s in (self._snap, self._ahead) if s is not None]
+        if not held or not (self.eligible and self.links):
+            return None
+        snap = max(held, key=lambda s: s.version)
+        if any(a not in snap.txns for a in apps):
+            return None
+        txns, metadata, version, ident = dict(snap.txns), snap.metadata, snap.version, snap.ident
+        for _ in range(MAX_FORWARD + 1):
+            got = self._read(version + 1)
+            if got is None:
+                break
+            data, ident = got
+            try:
+                for line in data.splitlines():
+                    action = json.loads(line) if line.strip() else {}
+                    if "protocol" in action:
+                        return None
+                    if "metaData" in action:
+                        metadata = action["metaData"]
+                    txn = action.get("txn")
+                    if txn and txn.get("appId") in txns:
+                        txns[txn["appId"]] = int(txn["version"])
+            except (ValueError, TypeError, AttributeError, KeyError):
+                return None  # not an entry this reader understands: delta-rs reads it
+            version += 1
+        else:
+            return None
+        ahead = LogSnapshot(version, ident, txns, metadata, verified=False)
+        with self._lock:
+            if self._ahead is None or self._ahead.version <= version:
+                self._ahead = ahead
+        return ahead
 
     def sync(self, table: DeltaTable, apps: Iterable[str]) -> LogSnapshot | None:
         """Take the state of a freshly loaded delta-rs snapshot; None when this table's
@@ -179,11 +250,12 @@ class LocalLog:
         ]
         version = snap.version + 1
         data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
-        if not self._create(version, data):
+        ident = self._create(version, data)
+        if ident is None:
             with self._lock:
                 self._snap = None
             return None
-        new = LogSnapshot(version, self._ident(version), {**snap.txns, app_id: app_version}, metadata)
+        new = LogSnapshot(version, ident, {**snap.txns, app_id: app_version}, metadata)
         with self._lock:
             self._snap = new
         return new
@@ -194,10 +266,11 @@ class StoreLog(LocalLog):
     put-if-absent (s3fs sends ``If-None-Match: *``; S3 answers 412 when the entry exists, which
     s3fs raises as FileExistsError, as delta-rs's own commits on S3 rely on), and an entry's
     ETag is its identity (a table deleted and created again is noticed). A look at the latest
-    state costs two HEAD requests (the entry held, the next one: absent), a decision two such
-    looks (the decision lookup's, the decision's), the PUT and a HEAD, where a delta-rs commit
-    refreshed the table (a listing of ``_delta_log`` and a GET per new entry) and then
-    committed."""
+    state costs two HEAD requests (the entry held, the next one: absent); a decision costs the
+    decision lookup's look, one HEAD (the entry held) and the PUT, whose answer carries the new
+    entry's ETag; a delta-rs commit refreshed the table (a listing of ``_delta_log`` and a GET
+    per new entry) and then committed. A task's :meth:`advance` costs one GET per new entry
+    (with its ETag) and one for the next, absent entry."""
 
     def __init__(self, fs: Any, root: str):
         super().__init__(root)
@@ -226,13 +299,42 @@ class StoreLog(LocalLog):
                 pass
         return bool(self.fs.exists(self.entry(version)))
 
-    def _create(self, version: int, data: bytes) -> bool:
+    def _read(self, version: int) -> tuple[bytes, Any] | None:
+        if getattr(self.fs, "_call_s3", None) is None:  # not s3fs: the body alone, no identity
+            try:
+                return self.fs.cat_file(self.entry(version)), None
+            except FileNotFoundError:
+                return None
+        bucket, key, _ = self.fs.split_path(self.entry(version))
+
+        async def get() -> tuple[bytes, Any]:
+            # one GET (s3fs's cat_file asks for the size first): the body and its ETag
+            resp = await self.fs._call_s3("get_object", self.fs.kwargs, Bucket=bucket, Key=key)
+            try:
+                return await resp["Body"].read(), resp.get("ETag")
+            finally:
+                resp["Body"].close()
+
         try:
-            with self.fs.open(self.entry(version), "xb") as f:
-                f.write(data)
+            return sync(self.fs.loop, get)
+        except FileNotFoundError:
+            return None
+
+    def _create(self, version: int, data: bytes) -> Any | None:
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            try:
+                with self.fs.open(self.entry(version), "xb") as f:
+                    f.write(data)
+            except FileExistsError:
+                return None
+            return self._ident(version)
+        bucket, key, _ = self.fs.split_path(self.entry(version))
+        try:  # as s3fs's own "xb" write of a small file: one conditional PUT, here keeping its ETag
+            put = call("put_object", self.fs.kwargs, Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
         except FileExistsError:
-            return False
-        return True
+            return None
+        return put.get("ETag") or self._ident(version)
 
 
 def metadata_of(table: DeltaTable) -> dict[str, Any]:

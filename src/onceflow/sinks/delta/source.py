@@ -178,11 +178,18 @@ class DeltaDataSource(DeltaTableAccess):
     # ---- tasks ----------------------------------------------------------------------
 
     def is_decided(self, lineage: str, batch_id: int) -> bool:
-        view = self._view(lineage)
+        """On a view read forward (:meth:`_forward_view`), "decided" is confirmed on the table
+        loaded afresh before the task skips the batch: a skip writes nothing."""
+        view = self._forward_view(lineage)
+        decided = self._decided_at(view, lineage, batch_id)
+        if decided and isinstance(view, LogSnapshot) and not view.verified:
+            view = self._view(lineage, fast=False)
+            decided = self._decided_at(view, lineage, batch_id)
         self.__dict__["_task_view"] = view  # what this task's pre_commit writes for
-        if view is None:
-            return False
-        version = view.transaction_version(self.app_id(lineage))
+        return decided
+
+    def _decided_at(self, view: LogSnapshot | DeltaTable | None, lineage: str, batch_id: int) -> bool:
+        version = None if view is None else view.transaction_version(self.app_id(lineage))
         return version is not None and version >= batch_id
 
     def pre_commit(self, task: TaskInfo, schema: StructType, overwrite: bool, batches: Iterator):
@@ -193,7 +200,7 @@ class DeltaDataSource(DeltaTableAccess):
             name = file_name(task, self.epoch)
             rows, _ = write_file(fs, f"{path}/{name}", to_arrow_schema(schema), batches, self.row_group_rows, False)
             return ({"path": name, "task": task.partition, "rows": rows} if rows else None), rows
-        view = self.__dict__.pop("_task_view", None) or self._view(task.lineage)
+        view = self.__dict__.pop("_task_view", None) or self._forward_view(task.lineage)
         parts, target, _ = self.write_plan(view, schema)
         if is_local(fs):  # an object store has no directories to make
             fs.makedirs(path, exist_ok=True)
@@ -286,8 +293,12 @@ class DeltaDataSource(DeltaTableAccess):
         what = f"decide batch {decision.batch_id}"
         staged: list[pa.Table | None] = []  # an upsert's rows, read once for every attempt
         for _ in range(_MAX_CONFLICTS):
-            view = self._view(decision.lineage, fast=local is not None, log=local)
+            # the log append below is conditional on the next entry's absence: no look for it
+            view = self._view(decision.lineage, fast=local is not None, log=local, latest=False)
             current = None if view is None else view.transaction_version(epoch_app)
+            if current != decision.epoch and isinstance(view, LogSnapshot):  # fence on the latest only
+                view = self._view(decision.lineage, fast=True, log=local)
+                current = None if view is None else view.transaction_version(epoch_app)
             if current != decision.epoch:
                 raise fenced(self.format_name, decision.lineage, decision.epoch, current, what)
             decided = view.transaction_version(app)
