@@ -24,7 +24,7 @@ def test_upserts_survive_kills_and_another_writer_checked_per_key(tmp_path, sink
     same table: each of them must survive once."""
     rc, report, out = run_verify(tmp_path, "--seed", "7", "--sink", sink, "--faults", ",".join(faults),
                                  "--count", str(len(faults)), "--rate", "2000",
-                                 "--events", "60000", "--any-time", "--outage-s", "8")
+                                 "--events", "120000", "--any-time", "--outage-s", "8")
     assert rc == 0, out[-3000:]
     assert report["verdict"] == "exactly-once", out[-3000:]
     assert report["events_generated"] == report["events_committed"] > 4000  # keys present, one row each

@@ -4,10 +4,13 @@ Offsets are ``{"next": n}`` and live only in Spark's checkpoint: batch N reads e
 ``[start, end)`` from ``offsets/N`` on every replay. New ids become available at
 ``rows_per_second`` up to ``total`` (then the source is exhausted). Columns: ``id`` (long),
 ``key`` (``id % keys``), ``event_time`` (timestamp derived from the id, deterministic).
+With ``release_file``, the ids not yet available all become available once that file exists
+(planning looks for it: one ``stat`` per trigger).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -23,6 +26,8 @@ OPTIONS = {
     "partitions": "Spark partitions per batch (default 2)",
     "keys": "number of distinct keys, key = id % keys (default 16)",
     "max_rows_per_batch": "cap on ids per micro-batch (default: none)",
+    "release_file": "once this file exists, every id up to total is available at once, in batches of at most "
+                    "10 x max_rows_per_batch (onceflow verify: the rest of the stream after its last fault)",
 }
 
 
@@ -65,12 +70,14 @@ class SequenceDataSource(DataSource):
             partitions=_int(opts, "partitions", 2, 1),
             keys=_int(opts, "keys", 16, 1),
             max_rows=_int(opts, "max_rows_per_batch", None, 1),
+            release=opts.get("release_file") or None,
         )
 
 
 class SequenceReader(DataSourceStreamReader):
-    def __init__(self, total, rate, partitions, keys, max_rows):
+    def __init__(self, total, rate, partitions, keys, max_rows, release: str | None = None):
         self.total, self.rate, self.parts, self.keys, self.max_rows = total, rate, partitions, keys, max_rows
+        self.release = release
         self._t0: float | None = None
         self._base = 0
 
@@ -83,8 +90,11 @@ class SequenceReader(DataSourceStreamReader):
         if self._t0 is None:
             self._t0, self._base = now, begin
         end = max(begin, self._base + int(self.rate * (now - self._t0)))
+        released = self.total is not None and self.release is not None and os.path.exists(self.release)
+        if released:
+            end = self.total
         if self.max_rows:
-            end = min(end, begin + self.max_rows)
+            end = min(end, begin + self.max_rows * (10 if released else 1))
         if self.total is not None:
             end = min(end, self.total)
         return {"next": end}

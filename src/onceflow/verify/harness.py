@@ -221,6 +221,8 @@ class Harness:
                 clock_shim(self.spec.workdir)
                 set_offset(self.faketime_file, 0)
             self.log = EventLog(self.spec.checkpoint)
+            if os.path.exists(self.spec.release_file):  # a previous run's, in the same work directory
+                os.remove(self.spec.release_file)
             self.start_supervisor()
             try:
                 records = self._inject_all(plan)
@@ -286,6 +288,7 @@ class Harness:
             if len(records) < len(plan):
                 self.shortfall = (f"only {len(records)} of {len(plan)} faults were injected (skipped "
                                   "faults, or the stream ended first: raise --events or lower --rate)")
+            self._release(last, progress, bar)
             progress_at, seen = time.time(), self._committed()
             while self.supervisor.poll() is None and time.time() - progress_at < self.options.recovery_timeout:
                 progress.update(bar, completed=seen, info="draining the stream")
@@ -294,6 +297,21 @@ class Harness:
                     progress_at, seen = time.time(), self._committed()
             progress.update(bar, completed=self._committed(), info="done")
         return records
+
+    def _release(self, last: FaultRecord | None, progress: Progress, bar) -> None:
+        """Once a batch with rows committed after the ``last`` fault (or at once, without
+        faults), let the sequence source make the rest of the stream available at once
+        (:attr:`VerifySpec.release_file`): ``--events`` sizes the stream for the slowest
+        recoveries, and a run whose faults are done early does not wait for its tail at
+        ``--rate``. Every event is still checked."""
+        deadline = time.time() + self.options.recovery_timeout
+        while last is not None and time.time() < deadline and self.supervisor.poll() is None:
+            if any(c["rows"] and last.recovered_by(c) for c in self._commits()):
+                break
+            progress.update(bar, completed=self._committed(), info="waiting for the last recovery")
+            time.sleep(0.3)
+        with open(self.spec.release_file, "w") as f:
+            f.write(f"{time.time():.3f}\n")
 
     def _ended(self) -> bool:
         """The stream is (nearly) all committed, or the job's supervisor exited."""

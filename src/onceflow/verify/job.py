@@ -32,7 +32,7 @@ def source(spark):
     return (spark.readStream.format("onceflow-sequence")
             .option("total", spec.events).option("rows_per_second", spec.rate)
             .option("max_rows_per_batch", 2 * spec.rate).option("partitions", spec.partitions)
-            .load())
+            .option("release_file", spec.release_file).load())
 
 
 def transform(df):

@@ -97,6 +97,13 @@ class VerifySpec:
         return f"onceflow-verify-out-{self.name}"
 
     @property
+    def release_file(self) -> str:
+        """Created once every fault is injected and recovered from: the sequence source then
+        makes the rest of the stream available at once (a Kafka source's events are all in
+        the topic from the start, read at ``rate`` per batch as before)."""
+        return os.path.join(self.workdir, "release-the-stream")
+
+    @property
     def iceberg_catalog(self) -> str:
         """The Iceberg sinks' embedded catalog: an SQLite file in the work directory."""
         return f"sqlite:///{os.path.join(self.workdir, 'iceberg', 'catalog.db')}"
