@@ -91,12 +91,16 @@ def test_a_concurrent_writer_committing_first_during_a_decision_and_between_batc
     assert sorted(ids) == [-3, -2, -1, 1, 2, 3, 4, 5]  # each once, the other writer's rows kept
 
 
-def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_nothing(s3):
+def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_nothing(s3, monkeypatch):
     """The decision lookup asks whether the next log entry exists: one HEAD (404). s3fs's
     ``exists`` followed each 404 with a listing of the entry as a directory (old code: two LISTs
     of ``.../N.json/``). The decision itself does not ask again (its conditional PUT is that
-    check) and takes the new entry's ETag from the PUT's answer (stop 42's code: HEADs 404, 404,
-    200)."""
+    check) and takes the new entry's ETag from the PUT's answer. The entry held is checked to
+    be the same (a HEAD) only when the last check or this process's append of it is
+    ``RECHECK_S`` old: one HEAD and the PUT per batch of a stream. Stop 42's code: HEADs of the
+    next entry 404, 404, 200 and two of the entry held, whatever their age."""
+    from onceflow.sinks.delta import log as delta_log
+
     url = f"s3://{s3.bucket()}/table"
     ds = DeltaDataSource({"path": url, "storage_options": json.dumps(s3.options)})
     schema = StructType([StructField("id", LongType())])
@@ -106,16 +110,27 @@ def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_no
     first = _batch(ds, lineage, 1, [1, 2])
     ds.decide(first, schema, False)
     ds.commit(first)
-    second = _batch(ds, lineage, 2, [3])
-    seen = len(s3.requests)
-    assert ds.decision(lineage, 2) is None
-    ds.decide(second, schema, False)
-    ds.commit(second)
-    log = [r for r in s3.requests[seen:] if "_delta_log" in r[1] or "_delta_log" in r[5]]
+
+    def decide(batch: int, ids: list[int]) -> list[list]:
+        decision = _batch(ds, lineage, batch, ids)
+        seen = len(s3.requests)
+        assert ds.decision(lineage, batch) is None
+        ds.decide(decision, schema, False)
+        ds.commit(decision)
+        return [r for r in s3.requests[seen:] if "_delta_log" in r[1] or "_delta_log" in r[5]]
+
+    def heads(log: list[list], version: int) -> list[str]:
+        return [r[4] for r in log if r[0] == "HEAD" and r[1].endswith(f"{version:020d}.json")]
+
+    monkeypatch.setattr(delta_log, "RECHECK_S", 3600.0)  # the next batch comes right after
+    log = decide(2, [3])
     assert not [r for r in log if r[0] == "GET" and ".json%2F" in r[5]], log  # no entry listed as a directory
-    assert [r[4] for r in log if r[0] == "HEAD" and r[1].endswith("00000000000000000002.json")] == ["404"], log
+    assert heads(log, 2) == ["404"] and heads(log, 1) == [], log
     assert [r[4] for r in log if r[0] == "PUT"] == ["200"], log
-    assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [1, 2, 3]
+    monkeypatch.setattr(delta_log, "RECHECK_S", 0.0)  # every look checks the entry held
+    log = decide(3, [4])
+    assert heads(log, 3) == ["404"] and heads(log, 2) == ["200", "200"], log
+    assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [1, 2, 3, 4]
 
 
 def test_a_task_on_s3_reads_new_log_entries_forward_and_skips_a_batch_only_on_a_verified_view(s3):

@@ -53,6 +53,11 @@ from onceflow import __version__
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
 #: new log entries a task reads forward at most; beyond, a delta-rs load (from its checkpoint)
 MAX_FORWARD = 50
+#: on S3, seconds for which the held entry's identity, checked by a look at it or known from
+#: writing it (:meth:`LocalLog.append`), is not checked again (:meth:`LocalLog.snapshot`): the
+#: decision right after its lookup, the next batch's lookup right after a decision. A table
+#: deleted and created again within that time is not noticed (locally a ``stat`` checks always)
+RECHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class LocalLog:
         self._lock = threading.Lock()
         self._snap: LogSnapshot | None = None
         self._ahead: LogSnapshot | None = None  # the tasks' view (:meth:`advance`)
+        self._checked: tuple[LogSnapshot, float] | None = None  # the last full look and when
         self.eligible = False
         #: False once the filesystem refused a hard link (then delta-rs commits, as before)
         self.links = True
@@ -108,6 +114,14 @@ class LocalLog:
 
     def _exists(self, version: int) -> bool:
         return os.path.exists(self.entry(version))
+
+    def _recheck_s(self) -> float:
+        """How long a check of the held entry's identity stands (a ``stat`` here: not at all)."""
+        return 0.0
+
+    #: whether a look costs a request (S3): then ``snapshot(latest=False)`` leaves the check of
+    #: the next entry to the conditional create; a local look is two ``stat`` calls and checks all
+    remote = False
 
     def _read(self, version: int) -> tuple[bytes, Any] | None:
         """The entry of ``version`` and its identity, in one read; None when there is none."""
@@ -145,18 +159,26 @@ class LocalLog:
     def snapshot(self, apps: Iterable[str], latest: bool = True) -> LogSnapshot | None:
         """The latest state, if it is still the latest and holds ``apps``; else None.
 
-        ``latest=False`` leaves out the check that the next entry does not exist, for a caller
-        whose next step is :meth:`append`: its conditional create is that check."""
+        ``latest=False`` (on S3) leaves out the check that the next entry does not exist, for a
+        caller whose next step is :meth:`append`: its conditional create is that check. The held
+        entry's identity is not checked again within :meth:`_recheck_s` of the last check or of
+        its own append (on S3: one HEAD request per batch instead of three)."""
         with self._lock:
-            snap = self._snap
+            snap, checked = self._snap, self._checked
         if snap is None or not (self.eligible and self.links) or any(a not in snap.txns for a in apps):
             return None
-        try:
-            if self._ident(snap.version) != snap.ident:
-                return None  # the table was replaced
-        except FileNotFoundError:
+        started = time.monotonic()
+        if checked is None or checked[0] is not snap or started - checked[1] >= self._recheck_s():
+            try:
+                if self._ident(snap.version) != snap.ident:
+                    return None  # the table was replaced
+            except FileNotFoundError:
+                return None
+            with self._lock:
+                self._checked = (snap, started)
+        if (latest or not self.remote) and self._exists(snap.version + 1):
             return None
-        return None if latest and self._exists(snap.version + 1) else snap
+        return snap
 
     def advance(self, apps: Iterable[str]) -> LogSnapshot | None:
         """A task's view: the newest state this process holds, brought forward by reading each
@@ -250,6 +272,7 @@ class LocalLog:
         ]
         version = snap.version + 1
         data = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines).encode()
+        started = time.monotonic()
         ident = self._create(version, data)
         if ident is None:
             with self._lock:
@@ -257,7 +280,7 @@ class LocalLog:
             return None
         new = LogSnapshot(version, ident, {**snap.txns, app_id: app_version}, metadata)
         with self._lock:
-            self._snap = new
+            self._snap, self._checked = new, (new, started)
         return new
 
 
@@ -266,9 +289,10 @@ class StoreLog(LocalLog):
     put-if-absent (s3fs sends ``If-None-Match: *``; S3 answers 412 when the entry exists, which
     s3fs raises as FileExistsError, as delta-rs's own commits on S3 rely on), and an entry's
     ETag is its identity (a table deleted and created again is noticed). A look at the latest
-    state costs two HEAD requests (the entry held, the next one: absent); a decision costs the
-    decision lookup's look, one HEAD (the entry held) and the PUT, whose answer carries the new
-    entry's ETag; a delta-rs commit refreshed the table (a listing of ``_delta_log`` and a GET
+    state costs two HEAD requests (the entry held, the next one: absent), one within
+    :data:`RECHECK_S` of the last look or append; a stream's decision, coming right after the
+    last one, thus costs the lookup's HEAD of the next entry (404) and the PUT, whose answer
+    carries the new entry's ETag; a delta-rs commit refreshed the table (a listing of ``_delta_log`` and a GET
     per new entry) and then committed. A task's :meth:`advance` costs one GET per new entry
     (with its ETag) and one for the next, absent entry."""
 
@@ -298,6 +322,11 @@ class StoreLog(LocalLog):
             except Exception:  # noqa: BLE001 - any other answer: s3fs's own check raises it as usual
                 pass
         return bool(self.fs.exists(self.entry(version)))
+
+    remote = True
+
+    def _recheck_s(self) -> float:
+        return RECHECK_S
 
     def _read(self, version: int) -> tuple[bytes, Any] | None:
         if getattr(self.fs, "_call_s3", None) is None:  # not s3fs: the body alone, no identity
