@@ -131,3 +131,27 @@ def test_a_table_whose_protocol_needs_more_than_adds_commits_through_delta_rs(tm
     assert last["engineInfo"].startswith("delta-rs")
     assert not local_log(str(path)).eligible
     assert sorted(DeltaTable(str(path)).to_pyarrow_table().column("id").to_pylist()) == [0, 1, 2]
+
+
+def test_a_task_reads_new_entries_forward_for_a_minute_then_loads_the_table_again(tmp_path, monkeypatch):
+    """A task's view is the state its process loaded, read forward entry by entry (another
+    writer's ``metaData`` included); past ``FORWARD_MAX_AGE_S`` since that load the table is
+    loaded again (a log cleaned up past the entry held would otherwise keep a stale view), and
+    what was read forward from the old load is dropped. Old code: no forward reading."""
+    from onceflow.sinks.delta import log as delta_log
+
+    path = tmp_path / "table"
+    ds, lineage, epoch = opened(path)
+    decide(ds, lineage, epoch, 0, [])
+    log = local_log(str(path))
+    apps = (ds.app_id(lineage), ds.epoch_app_id(lineage))
+    ahead = log.advance(apps)
+    assert ahead is not None and not ahead.verified and ahead.transaction_version(apps[0]) == 0
+    write_deltalake(str(path), pa.table({"id": pa.array([7], pa.int64())}), mode="append")  # another writer
+    decide(ds, lineage, epoch, 1, [])
+    ahead = log.advance(apps)
+    assert ahead.version == DeltaTable(str(path)).version() and ahead.transaction_version(apps[0]) == 1
+    monkeypatch.setattr(delta_log, "FORWARD_MAX_AGE_S", 0.0)
+    assert log.advance(apps) is None  # loaded too long ago: the caller loads the table
+    assert ds.is_decided(lineage, 1) and not ds.is_decided(lineage, 2)  # through a load
+    assert log._ahead is None  # the load dropped what was read forward before it

@@ -53,6 +53,11 @@ from onceflow import __version__
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV}
 #: new log entries a task reads forward at most; beyond, a delta-rs load (from its checkpoint)
 MAX_FORWARD = 50
+#: seconds a task reads forward from the state its process last knew first-hand (loaded,
+#: checked whole, or appended); then it loads again (entries read forward are never checked to
+#: be the table's: bounded staleness, e.g. a log cleaned up past the entry held, costs one load
+#: a minute per Python worker)
+FORWARD_MAX_AGE_S = 60.0
 #: on S3, seconds for which the held entry's identity, checked by a look at it or known from
 #: writing it (:meth:`LocalLog.append`), is not checked again (:meth:`LocalLog.snapshot`): the
 #: decision right after its lookup, the next batch's lookup right after a decision. A table
@@ -96,6 +101,7 @@ class LocalLog:
         self._snap: LogSnapshot | None = None
         self._ahead: LogSnapshot | None = None  # the tasks' view (:meth:`advance`)
         self._checked: tuple[LogSnapshot, float] | None = None  # the last full look and when
+        self._loaded_at = 0.0  # monotonic time the log's state was last known first-hand
         self.eligible = False
         #: False once the filesystem refused a hard link (then delta-rs commits, as before)
         self.links = True
@@ -168,7 +174,8 @@ class LocalLog:
         if snap is None or not (self.eligible and self.links) or any(a not in snap.txns for a in apps):
             return None
         started = time.monotonic()
-        if checked is None or checked[0] is not snap or started - checked[1] >= self._recheck_s():
+        fresh = checked is not None and checked[0] is snap and started - checked[1] < self._recheck_s()
+        if not fresh:
             try:
                 if self._ident(snap.version) != snap.ident:
                     return None  # the table was replaced
@@ -176,16 +183,29 @@ class LocalLog:
                 return None
             with self._lock:
                 self._checked = (snap, started)
-        if (latest or not self.remote) and self._exists(snap.version + 1):
+        if not latest and self.remote:
+            return snap
+        if self._exists(snap.version + 1):
             return None
+        if not fresh:
+            self._known(snap, started, replace=False)
         return snap
+
+    def _known(self, snap: LogSnapshot, at: float, replace: bool = True) -> None:
+        """``snap`` is the log's state as of ``at`` (monotonic), first-hand: what was read
+        forward before goes (it may stem from a replaced table). ``replace=False``: only if
+        ``snap`` is still the one held (another thread may have appended meanwhile)."""
+        with self._lock:
+            if replace or self._snap is snap:
+                self._snap, self._ahead, self._loaded_at = snap, None, at
 
     def advance(self, apps: Iterable[str]) -> LogSnapshot | None:
         """A task's view: the newest state this process holds, brought forward by reading each
         log entry after it once (their ``txn`` and ``metaData`` actions applied in order), up
-        to the first entry that does not exist. None when nothing is held for ``apps``, an
-        entry changes the protocol or cannot be parsed, or more than :data:`MAX_FORWARD`
-        entries are new: the caller then loads the table and calls :meth:`sync`.
+        to the first entry that does not exist. None when nothing is held for ``apps``, the
+        state was last known first-hand more than :data:`FORWARD_MAX_AGE_S` ago, an entry changes the protocol or
+        cannot be parsed, or more than :data:`MAX_FORWARD` entries are new: the caller then
+        loads the table and calls :meth:`sync`.
 
         Advisory (``verified=False``): the entry it starts from is not checked to be still the
         table's. What a task writes for is checked again by the decision; a task must confirm
@@ -193,7 +213,8 @@ class LocalLog:
         apps = tuple(apps)
         with self._lock:
             held = [s for s in (self._snap, self._ahead) if s is not None]
-        if not held or not (self.eligible and self.links):
+            loaded_at = self._loaded_at
+        if not held or not (self.eligible and self.links) or time.monotonic() - loaded_at > FORWARD_MAX_AGE_S:
             return None
         snap = max(held, key=lambda s: s.version)
         if any(a not in snap.txns for a in apps):
@@ -242,8 +263,7 @@ class LocalLog:
                                metadata_of(table))
         except FileNotFoundError:  # replaced while we looked: the caller loads it again
             return None
-        with self._lock:
-            self._snap = snap
+        self._known(snap, time.monotonic())
         return snap if self.eligible and self.links else None
 
     def append(self, snap: LogSnapshot, adds: list[dict[str, Any]], app_id: str, app_version: int,
@@ -279,8 +299,9 @@ class LocalLog:
                 self._snap = None
             return None
         new = LogSnapshot(version, ident, {**snap.txns, app_id: app_version}, metadata)
+        self._known(new, started)
         with self._lock:
-            self._snap, self._checked = new, (new, started)
+            self._checked = (new, started)
         return new
 
 
