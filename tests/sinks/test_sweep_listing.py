@@ -5,9 +5,10 @@ every file of its lineage in the table directory to find late losers, and a tabl
 keeps every file ever committed, so each commit's listing grew with the table (about 1,000 names
 per request: a day of a batch a second, two files each, is 170 requests per commit). Now the
 listing is bounded by name prefixes (``sinks/files.py``: ``sweep_prefixes``); what it must still
-find: the late file of a recent batch at the next 10th batch's commit (which lists the last 20:
-a listing at every commit was two of a batch's twelve requests), and a zombie's late file of an
-older epoch at the next 100th batch. Real moto server, the sink's own task code writes the files.
+find: a failed attempt's file at its batch's commit (each commit lists its own batch), the late
+file of a recent batch at the next 10th batch's commit (which lists the last 20: the recent
+batches at every commit were two listings of a batch's twelve requests), and a zombie's late
+file of an older epoch at the next 100th batch. Real moto server, the sink's own task code writes the files.
 """
 
 from __future__ import annotations
@@ -69,9 +70,13 @@ def test_a_commit_lists_the_recent_batches_and_still_sweeps_their_late_files(s3)
 
     before = len(s3.requests)
     commit(1013)
-    assert listings(before) == []  # between sweeps: nothing listed (the late file waits)
+    # between sweeps: the batch's own units only (the late file of 1012 waits)
+    assert listings(before) == [f"table/part-of-{lineage}-e{mine}-b0000001013"]
     assert fs.exists(f"{root}/{late['path']}")
-    for batch in range(1014, 1020):
+    loser = write(ds, 1014, attempt=0)  # a failed attempt of batch 1014: gone at its commit
+    commit(1014)
+    assert not fs.exists(f"{root}/{loser['path']}")
+    for batch in range(1015, 1020):
         commit(batch)
     before = len(s3.requests)
     commit(1020)

@@ -108,12 +108,13 @@ def parse_unit(name: str) -> tuple[str, int, int] | None:
     return None if m is None else (m["lineage"], int(m["epoch"] or 0), int(m["batch"]))
 
 
-#: A commit's sweep on an object store (:func:`sweep_prefixes`): every SWEEP_RECENT-th batch's
-#: commit looks at the last 2 x SWEEP_RECENT batches under the committing driver's epoch (a
-#: listing per batch was two of the twelve requests of a batch); every SWEEP_ALL_EVERY-th batch
-#: at every batch the process decided, under that epoch and the SWEEP_EPOCHS before it (the
-#: zombies of the last takeovers; older ones are recovery's, at the next start). Late files are
-#: invisible (no decision lists them) until then.
+#: A commit's sweep on an object store (:func:`sweep_prefixes`): every commit looks at its own
+#: batch's units under the committing driver's epoch (one listing: a failed attempt's file goes
+#: at its batch's commit); every SWEEP_RECENT-th batch's commit at the last 2 x SWEEP_RECENT
+#: batches (the recent batches at every commit were two listings of a batch's twelve requests);
+#: every SWEEP_ALL_EVERY-th batch at every batch the process decided, under that epoch and the
+#: SWEEP_EPOCHS before it (the zombies of the last takeovers; older ones are recovery's, at the
+#: next start). Late files are invisible (no decision lists them) until they go.
 SWEEP_RECENT, SWEEP_ALL_EVERY, SWEEP_EPOCHS = 10, 100, 2
 
 
@@ -135,8 +136,8 @@ def sweep_prefixes(lineage: str, batch_id: int, mine: int | None, decided: Itera
         low, epochs = min([batch_id, *decided]), range(top, max(-1, top - SWEEP_EPOCHS - 1), -1)
     elif batch_id % SWEEP_RECENT == 0:
         low, epochs = max(0, batch_id - 2 * SWEEP_RECENT), range(top, top - 1, -1)
-    else:
-        return []  # between sweeps: nothing listed
+    else:  # between sweeps: the batch's own units (a failed or retried attempt's), one listing
+        return [f"part-of-{lineage}-e{top}-b{batch_id:010d}"]
     return [f"part-of-{lineage}-e{e}-b{p}" for e in epochs for p in _cover(low, batch_id)]
 
 

@@ -434,10 +434,10 @@ class DeltaDataSource(DeltaTableAccess):
         last 1000 batches decided here (:func:`~.files.losing_rule`): those of stragglers,
         speculative attempts, lost executors and woken zombies that finished after their
         batch committed, of this driver's epoch or an older one. On an object store the
-        listing is bounded by name prefixes (:func:`~.files.sweep_prefixes`): the last 20
-        batches of this epoch at every 10th batch (between them nothing is listed), every batch
-        decided here for this epoch and the two before it at every 100th batch; recovery still
-        lists the whole lineage.
+        listing is bounded by name prefixes (:func:`~.files.sweep_prefixes`): the batch's own
+        units at each commit, the last 20 batches of this epoch at every 10th batch, every
+        batch decided here for this epoch and the two before it at every 100th batch; recovery
+        still lists the whole lineage.
         """
         maybe_crash("mid_commit", decision.batch_id, None, self.opts)
         if decision.handles is None:
