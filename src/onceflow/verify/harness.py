@@ -288,7 +288,8 @@ class Harness:
             if len(records) < len(plan):
                 self.shortfall = (f"only {len(records)} of {len(plan)} faults were injected (skipped "
                                   "faults, or the stream ended first: raise --events or lower --rate)")
-            self._release(last, progress, bar)
+            if records:  # a run without faults keeps its --rate throughout
+                self._release(last, progress, bar)
             progress_at, seen = time.time(), self._committed()
             while self.supervisor.poll() is None and time.time() - progress_at < self.options.recovery_timeout:
                 progress.update(bar, completed=seen, info="draining the stream")
@@ -299,8 +300,8 @@ class Harness:
         return records
 
     def _release(self, last: FaultRecord | None, progress: Progress, bar) -> None:
-        """Once a batch with rows committed after the ``last`` fault (or at once, without
-        faults), let the sequence source make the rest of the stream available at once
+        """Once a batch with rows committed after the ``last`` fault, let the sequence source
+        make the rest of the stream available at once
         (:attr:`VerifySpec.release_file`): ``--events`` sizes the stream for the slowest
         recoveries, and a run whose faults are done early does not wait for its tail at
         ``--rate``. Every event is still checked."""
