@@ -55,6 +55,21 @@ def _batch(ds: DeltaDataSource, lineage: str, batch: int, ids: list[int]) -> Dec
     return Decision(lineage, batch, f"fp-{batch}", [handle], ds.epoch)
 
 
+def _opened_with_one_batch(s3) -> tuple[DeltaDataSource, str, str, StructType]:
+    """A new S3 table opened for a new lineage, batch 1 (ids 1, 2) decided and committed:
+    (source, url, lineage, schema)."""
+    url = f"s3://{s3.bucket()}/table"
+    ds = DeltaDataSource({"path": url, "storage_options": json.dumps(s3.options)})
+    schema = StructType([StructField("id", LongType())])
+    ds.write_schema = schema
+    lineage = str(uuid.uuid4())
+    ds.open(lineage)
+    first = _batch(ds, lineage, 1, [1, 2])
+    ds.decide(first, schema, False)
+    ds.commit(first)
+    return ds, url, lineage, schema
+
+
 def test_a_concurrent_writer_committing_first_during_a_decision_and_between_batches(s3):
     url = f"s3://{s3.bucket()}/table"
     opts = s3.options
@@ -101,15 +116,7 @@ def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_no
     next entry 404, 404, 200 and two of the entry held, whatever their age."""
     from onceflow.sinks.delta import log as delta_log
 
-    url = f"s3://{s3.bucket()}/table"
-    ds = DeltaDataSource({"path": url, "storage_options": json.dumps(s3.options)})
-    schema = StructType([StructField("id", LongType())])
-    ds.write_schema = schema
-    lineage = str(uuid.uuid4())
-    ds.open(lineage)
-    first = _batch(ds, lineage, 1, [1, 2])
-    ds.decide(first, schema, False)
-    ds.commit(first)
+    ds, url, lineage, schema = _opened_with_one_batch(s3)
 
     def decide(batch: int, ids: list[int]) -> list[list]:
         decision = _batch(ds, lineage, batch, ids)
@@ -139,17 +146,8 @@ def test_a_task_on_s3_reads_new_log_entries_forward_and_skips_a_batch_only_on_a_
     code: a HEAD, a LIST of ``_delta_log``, two GETs of the new entry, a HEAD and a GET of it
     again). That view is advisory: when the table was deleted and created again, the task still
     writes the batch its stale view called decided."""
-    url = f"s3://{s3.bucket()}/table"
-    opts = {"path": url, "storage_options": json.dumps(s3.options)}
-    ds = DeltaDataSource(opts)
-    schema = StructType([StructField("id", LongType())])
-    ds.write_schema = schema
-    lineage = str(uuid.uuid4())
-    ds.open(lineage)
-    first = _batch(ds, lineage, 1, [1, 2])
-    ds.decide(first, schema, False)
-    ds.commit(first)
-    task = DeltaDataSource({**opts, "epoch": str(ds.epoch)})
+    ds, url, lineage, schema = _opened_with_one_batch(s3)
+    task = DeltaDataSource({**ds.opts, "epoch": str(ds.epoch)})
     assert not task.is_decided(lineage, 2)  # the process's state is read once
     _other_writer_append(url, s3.options, [-1])  # another process commits the next version
 
