@@ -210,7 +210,7 @@ class ClockSkew(Fault):
     @staticmethod
     def _stop(succ: subprocess.Popen) -> None:
         left = procs.tree(succ.pid)
-        succ.terminate()
+        procs.terminate(succ.pid)
         try:
             succ.wait(30)
         except subprocess.TimeoutExpired:

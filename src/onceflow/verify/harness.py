@@ -361,7 +361,7 @@ class Harness:
         procs.signal_all(left, signal.SIGCONT)  # a frozen zombie host must be able to stop
         for sup in self.supervisors + self.extras:
             if sup.poll() is None:
-                sup.terminate()  # stops its drivers and standby
+                procs.terminate(sup.pid)  # stops its drivers and standby
                 try:
                     sup.wait(30)
                 except subprocess.TimeoutExpired:

@@ -123,3 +123,19 @@ def signal_all(procs: Iterable[psutil.Process], sig: signal.Signals) -> int:
         except psutil.NoSuchProcess:
             pass
     return n
+
+
+def terminate(popen_pid: int) -> None:
+    """SIGTERM the program a started process runs, through ``unshare --fork`` wrappers: such a
+    wrapper ignores SIGTERM while it waits for its child (util-linux 2.38), so signalling it
+    alone stopped nothing and every stop waited out its timeout."""
+    try:
+        p = psutil.Process(popen_pid)
+        while "unshare" in (p.cmdline()[:1] or [""])[0] and "--fork" in p.cmdline():
+            kids = p.children()
+            if not kids:
+                break
+            p = kids[0]
+        p.send_signal(signal.SIGTERM)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        pass
