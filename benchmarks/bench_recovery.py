@@ -83,6 +83,10 @@ job = Job(name="recovery-state", source=source, output_mode="update",
 """
 
 
+#: seconds the replacement standby waits, ready, before the next kill (``--standby-idle``)
+STANDBY_IDLE_S = 0.0
+
+
 def drive(cmd: list[str], env: dict, ckpt: str, kills: int, rng: random.Random, log_path: str,
           standby: bool, after_rows: int = 0) -> list[float]:
     """Run the supervisor; SIGKILL the active driver ``kills`` times while data flows (with
@@ -109,7 +113,7 @@ def drive(cmd: list[str], env: dict, ckpt: str, kills: int, rng: random.Random, 
                 next_kill = None
                 continue
             if next_kill is None:
-                next_kill = time.time() + rng.uniform(2.0, 5.0)
+                next_kill = time.time() + STANDBY_IDLE_S + rng.uniform(2.0, 5.0)
             elif time.time() >= next_kill:
                 try:
                     os.killpg(starts[-1]["pid"], signal.SIGKILL)
@@ -241,7 +245,12 @@ def main() -> None:
     ap.add_argument("--state-keys", default="1,200000,2000000",
                     help="pipeline state: the state sizes (distinct keys), one run each")
     ap.add_argument("--state-per-batch", type=int, default=100_000, help="pipeline state: events per batch")
+    ap.add_argument("--standby-idle", type=float, default=0.0,
+                    help="seconds a ready standby waits before the kill (a production standby waits "
+                         "minutes to months; Spark stops idle Python workers after 60 s)")
     args = ap.parse_args()
+    global STANDBY_IDLE_S
+    STANDBY_IDLE_S = args.standby_idle
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     rng = random.Random(args.seed)
     print(f"seed {args.seed}, {args.kills} kills per run", flush=True)

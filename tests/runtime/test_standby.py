@@ -52,3 +52,50 @@ def test_a_standby_builds_the_jobs_dataframe_ahead_and_a_source_it_cannot_build_
     with caplog.at_level("INFO", logger="onceflow.standby"):
         plan_job(spark, make(broken))
     assert "broker down" in caplog.text and "built at the takeover" in caplog.text
+
+
+def test_a_waiting_standby_touches_its_python_workers_until_promoted(tmp_path):
+    """Spark stops a Python worker pool idle for a minute: a standby that waited longer took
+    over with fresh workers (pandas, pyarrow and the sink imported anew). While it waits,
+    :func:`wait_for_go` runs ``warm`` every ``warm_every_s``, and stops at the go file. Old
+    code: nothing ran while a standby waited."""
+    import threading
+    import time
+
+    from onceflow.runtime.standby import wait_for_go
+
+    go, stop, ran = str(tmp_path / "go"), threading.Event(), []
+    threading.Timer(0.55, lambda: open(go, "w").close()).start()
+    started = time.monotonic()
+    assert wait_for_go(go, stop, warm=lambda: ran.append(time.monotonic() - started), warm_every_s=0.1)
+    assert 3 <= len(ran) <= 6 and ran[0] >= 0.1, ran
+    n = len(ran)
+    stop.set()
+    assert not wait_for_go(str(tmp_path / "never"), stop, warm=lambda: ran.append(0.0), warm_every_s=0.0)
+    assert len(ran) == n  # stopped: nothing more runs
+
+
+def test_keeping_warm_runs_python_workers_and_no_code_of_the_job(spark, tmp_path):
+    """:func:`keep_warm` restarts the idle clocks of the pools a takeover uses (the warm-up
+    query again: tasks, data-source planning, writing, the streaming sink's commit) without
+    calling the job's source: a source that is down must not stall a waiting standby."""
+    import psutil
+
+    from onceflow import CheckpointConfig, DeltaSink, Job
+    from onceflow.runtime.standby import keep_warm
+
+    calls = []
+
+    def source(sp):
+        calls.append("source")
+        raise AssertionError("the job's source must not run while the standby waits")
+
+    job = Job(name="warm", source=source, sink=DeltaSink(str(tmp_path / "t")),
+              checkpoint=CheckpointConfig(str(tmp_path / "ckpt")))
+    keep_warm(spark, job, scratch=str(tmp_path / "scratch"))
+    assert calls == [] and not (tmp_path / "ckpt").exists()
+    assert list((tmp_path / "scratch").iterdir()) == []  # its throwaway table is gone
+    jvm = next(p for p in psutil.Process().children() if p.name() == "java")
+    workers = [p for p in jvm.children(recursive=True) if "pyspark.daemon" in " ".join(p.cmdline())
+               and p.parent().pid != jvm.pid]  # forked by a daemon: a worker, idle in its pool now
+    assert workers, [" ".join(p.cmdline()) for p in jvm.children(recursive=True)]

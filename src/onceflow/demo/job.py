@@ -60,4 +60,7 @@ job = Job(
     restart_strategy=fixed_delay(attempts=10, delay=0),
     stop_when_idle=3.0,
     master="local[2]",
+    # one state partition per core (onceflow's default is 4): 16 keys need no more, and every
+    # batch, the first after a takeover included, runs one Python task per core instead of two
+    spark_conf={"spark.sql.shuffle.partitions": "2"},
 )

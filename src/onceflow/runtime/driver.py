@@ -53,7 +53,7 @@ from onceflow.runtime.launch import (
 from onceflow.runtime.loader import load_job
 from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
-from onceflow.runtime.standby import GO_ENV, mark_ready, takes_over, wait_for_go, warm_up
+from onceflow.runtime.standby import GO_ENV, keep_warm, mark_ready, takes_over, wait_for_go, warm_up
 from onceflow.savepoint.operations import savepoint_on_stop, stop_requested
 
 
@@ -184,10 +184,11 @@ def _standby(job, go: str, stop: threading.Event):
     """Warm up, then wait for the go file: the warm SparkSession, or None when stopped first."""
     log = logging.getLogger("onceflow.driver")
     spark = driver_spark(job, job.checkpoint.directory)
-    warm_s = warm_up(spark, job, go, scratch.driver_dir(job.name, job.checkpoint.directory))
+    scratch_dir = scratch.driver_dir(job.name, job.checkpoint.directory)
+    warm_s = warm_up(spark, job, go, scratch_dir)
     mark_ready(go, warm_s)
     log.info("standby ready (warm-up %.1f s); waiting for %s", warm_s, go)
-    if not wait_for_go(go, stop):
+    if not wait_for_go(go, stop, warm=lambda: keep_warm(spark, job, go, scratch_dir)):
         return None
     log.info("standby promoted: taking over the lease of %s", job.checkpoint.directory)
     return spark

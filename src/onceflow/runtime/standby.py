@@ -5,7 +5,9 @@ naming a file that does not exist yet. It loads the job, starts its JVM and Spar
 registers onceflow's sources and sinks, and runs :func:`warm_up` (one tiny streaming batch into
 a throwaway Delta table, the imports of the job's sink and source in the Python workers, which
 Spark then reuses, and one build of the job's DataFrame, dropped: :func:`plan_job`). It
-writes ``<go file>.ready`` (its pid and warm-up time) and waits.
+writes ``<go file>.ready`` (its pid and warm-up time) and waits, running the warm-up (without
+the job's DataFrame) again every :data:`KEEP_WARM_S` so that Spark does not stop its idle
+Python workers (:func:`keep_warm`).
 
 When the go file appears (the supervisor creates it the moment it sees the active driver
 die), the standby runs the job from the checkpoint like any restarted driver. The go file says
@@ -31,6 +33,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from onceflow.spark import is_connect
@@ -77,7 +80,7 @@ def warm_query(spark, tmp: str):
             .option("checkpointLocation", f"{tmp}/ckpt").trigger(availableNow=True).start())
 
 
-def warm_up(spark, job: JobSpec, go: str | None = None, scratch: str | None = None) -> float:
+def warm_up(spark, job: JobSpec, go: str | None = None, scratch: str | None = None, plan: bool = True) -> float:
     """Start what the first batch of a takeover would otherwise wait for; returns seconds.
 
     One streaming micro-batch (:func:`warm_query`), then one task per core that imports the job's sink
@@ -99,24 +102,50 @@ def warm_up(spark, job: JobSpec, go: str | None = None, scratch: str | None = No
         if go and os.path.exists(go):
             return time.monotonic() - started
 
-        def imports(batches):
-            for name in modules:
-                try:
-                    importlib.import_module(name)
-                except Exception:  # noqa: BLE001 - a module only the driver can import
-                    pass
-            yield from batches
-
-        parallelism = 2 if is_connect(spark) else max(1, spark.sparkContext.defaultParallelism)
-        spark.range(0, parallelism, numPartitions=parallelism).mapInArrow(imports, "id long").collect()
+        import_in_workers(spark, modules)
     except Exception as e:  # noqa: BLE001 - a failed warm-up only costs time at takeover
         log.warning("standby warm-up incomplete (%s); the takeover will start colder", e)
     else:
-        if not (go and os.path.exists(go)):
+        if plan and not (go and os.path.exists(go)):
             plan_job(spark, job)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return time.monotonic() - started
+
+
+def import_in_workers(spark, modules: list[str]) -> None:
+    """One task per core that imports ``modules`` in Spark's (reused) Python workers."""
+
+    def imports(batches):
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a module only the driver can import
+                pass
+        yield from batches
+
+    parallelism = 2 if is_connect(spark) else max(1, spark.sparkContext.defaultParallelism)
+    spark.range(0, parallelism, numPartitions=parallelism).mapInArrow(imports, "id long").collect()
+
+
+#: Spark stops the idle Python workers of a pool that saw no activity for a minute (its
+#: ``PythonWorkerFactory``; the daemons stay), and each kind of work has its own pool (tasks,
+#: data-source lookup, planning, writing, the streaming sink's commits): a standby that waited
+#: longer took over with fresh workers, each importing pandas, pyarrow and the sink anew (the
+#: demo's takeover: 4.3-5.0 s instead of 2.4-2.9 s). While it waits, the standby runs its
+#: warm-up query again this often (about 1.3 s and 2 s of CPU on 2 cores: 4% of one core).
+KEEP_WARM_S = 45.0
+
+
+def keep_warm(spark, job: JobSpec, go: str | None = None, scratch: str | None = None) -> None:
+    """What a waiting standby runs every :data:`KEEP_WARM_S`, so that every Python worker
+    pool's idle clock restarts: :func:`warm_up` without the job's DataFrame (no code of the job
+    runs: its source may be down; it is built at the takeover). Failures are logged at debug
+    level: only warmth is lost."""
+    try:
+        warm_up(spark, job, go, scratch, plan=False)
+    except Exception as e:  # noqa: BLE001
+        log.debug("standby: keeping the Python workers warm failed (%s)", e)
 
 
 def plan_job(spark, job: JobSpec) -> None:
@@ -132,15 +161,21 @@ def plan_job(spark, job: JobSpec) -> None:
         log.info("standby: the job's DataFrame was not built ahead (%s); it is built at the takeover", e)
 
 
-def wait_for_go(go: str, stop: threading.Event, poll_s: float = 0.02) -> bool:
-    """Block until ``go`` exists (True), or a stop / the parent's death (False)."""
+def wait_for_go(go: str, stop: threading.Event, poll_s: float = 0.02,
+                warm: Callable[[], None] | None = None, warm_every_s: float = KEEP_WARM_S) -> bool:
+    """Block until ``go`` exists (True), or a stop / the parent's death (False); ``warm``
+    (:func:`keep_warm`) runs every ``warm_every_s`` meanwhile (about 0.1 s each time)."""
     parent = os.getppid()
+    next_warm = time.monotonic() + warm_every_s
     while not stop.is_set():
         if os.path.exists(go):
             return True
         if os.getppid() != parent:  # the supervisor is gone: nobody will promote this standby
             log.info("standby: the supervisor (pid %d) is gone; exiting", parent)
             return False
+        if warm is not None and time.monotonic() >= next_warm:
+            warm()
+            next_warm = time.monotonic() + warm_every_s
         stop.wait(poll_s)
     return False
 
