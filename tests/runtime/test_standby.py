@@ -95,7 +95,14 @@ def test_keeping_warm_runs_python_workers_and_no_code_of_the_job(spark, tmp_path
     keep_warm(spark, job, scratch=str(tmp_path / "scratch"))
     assert calls == [] and not (tmp_path / "ckpt").exists()
     assert list((tmp_path / "scratch").iterdir()) == []  # its throwaway table is gone
+    def cmdline(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline())
+        except psutil.Error:  # gone, or a zombie a moment before its daemon reaps it
+            return ""
+
     jvm = next(p for p in psutil.Process().children() if p.name() == "java")
-    workers = [p for p in jvm.children(recursive=True) if "pyspark.daemon" in " ".join(p.cmdline())
-               and p.parent().pid != jvm.pid]  # forked by a daemon: a worker, idle in its pool now
-    assert workers, [" ".join(p.cmdline()) for p in jvm.children(recursive=True)]
+    daemons = {p.pid for p in jvm.children() if "pyspark.daemon" in cmdline(p)}
+    workers = [p for p in jvm.children(recursive=True)  # forked by a daemon: idle in its pool now
+               if p.ppid() in daemons and "pyspark.daemon" in cmdline(p)]
+    assert workers, [cmdline(p) for p in jvm.children(recursive=True)]
