@@ -140,8 +140,8 @@ KEEP_WARM_S = 45.0
 def keep_warm(spark, job: JobSpec, go: str | None = None, scratch: str | None = None) -> None:
     """What a waiting standby runs every :data:`KEEP_WARM_S`, so that every Python worker
     pool's idle clock restarts: :func:`warm_up` without the job's DataFrame (no code of the job
-    runs: its source may be down; it is built at the takeover). Failures are logged at debug
-    level: only warmth is lost."""
+    runs: its source may be down; it is built at the takeover). A failure costs only warmth
+    (:func:`warm_up` logs it as a warning)."""
     try:
         warm_up(spark, job, go, scratch, plan=False)
     except Exception as e:  # noqa: BLE001
@@ -164,7 +164,8 @@ def plan_job(spark, job: JobSpec) -> None:
 def wait_for_go(go: str, stop: threading.Event, poll_s: float = 0.02,
                 warm: Callable[[], None] | None = None, warm_every_s: float = KEEP_WARM_S) -> bool:
     """Block until ``go`` exists (True), or a stop / the parent's death (False); ``warm``
-    (:func:`keep_warm`) runs every ``warm_every_s`` meanwhile (about 0.1 s each time)."""
+    (:func:`keep_warm`) runs every ``warm_every_s`` meanwhile (about 1.3 s each time; a go file
+    that appears meanwhile cuts its query short)."""
     parent = os.getppid()
     next_warm = time.monotonic() + warm_every_s
     while not stop.is_set():
