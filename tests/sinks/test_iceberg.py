@@ -548,3 +548,101 @@ def test_upsert_on_a_composite_key_replaces_only_exact_matches(tmp_path):
     batch(1, [(1, "x", 1), (2, "y", 1), (2, "y", 2), (3, "z", 1)])
     got = sorted((r["a"], r["b"], r["n"]) for r in ds._table().scan().to_arrow().to_pylist())
     assert got == [(1, "x", 1), (1, "y", 0), (2, "x", 0), (2, "y", 2), (3, "z", 1)]
+
+
+def test_an_upsert_raced_by_appends_of_other_keys_commits_its_first_plan(tmp_path):
+    """Another writer appends rows of keys the batch does not touch between the decide's read
+    and its commit, five times: each refused commit is tried again with the same plan on the new
+    metadata (its files carry attempt 0), not planned again, and every row stays."""
+    import logging
+
+    from onceflow.sinks.iceberg import IcebergDataSource
+
+    class RacedSource(IcebergDataSource):
+        races = 5
+
+        def _table(self):
+            table = super()._table()
+            if self.races and table is not None and self.opts.get("race") == "on":
+                self.races -= 1
+                other = pa.table({"id": pa.array([500 + self.races], pa.int64()), "v": ["other"],
+                                  "ts": pa.array([0], pa.int64())})
+                super()._table().append(other)
+            return table
+
+    ds = _upsert_source(tmp_path, cls=RacedSource)
+    lineage = str(uuid.uuid4())
+    epoch = ds.open(lineage)
+    _apply(ds, lineage, epoch, 0, [[(1, "a", 1), (2, "b", 1)]])
+    ds.opts["race"] = "on"
+    logger = logging.getLogger("onceflow.sinks.iceberg.source")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        _apply(ds, lineage, epoch, 1, [[(1, "mine", 2)]])
+    finally:
+        logger.removeHandler(handler)
+    assert ds.races == 0, "all five races happened"
+    assert _state(ds) == {1: ("mine", 2), 2: ("b", 1)} | {500 + i: ("other", 0) for i in range(5)}
+    added = ds._added(ds._table(), lineage, 1)
+    assert added and all("-a0-" in name for name in added), added
+    assert not [r for r in records if "planning again" in r.getMessage()]
+    live = {p.rsplit("/", 1)[-1] for p in ds._table().inspect.all_files().column("file_path").to_pylist()}
+    assert sorted(os.listdir(ds._data_dir()[1])) == sorted(live)
+
+
+def test_an_upsert_is_not_starved_by_a_writer_appending_other_keys_all_the_time(tmp_path):
+    """A writer in another thread appends rows of other keys every 0.1 s while the job upserts
+    keys held by a 300,000-row file: rewriting that file takes longer than the writer's cycle,
+    so a decide that planned again after every refused commit never landed (100 refusals, then
+    a SinkError); with the plan kept it lands, and every foreign row the writer committed stays."""
+    import threading
+
+    import numpy as np
+    from pyiceberg.catalog.sql import SqlCatalog
+    from pyiceberg.exceptions import CommitFailedException
+
+    ds = _upsert_source(tmp_path)
+    lineage = str(uuid.uuid4())
+    epoch = ds.open(lineage)
+    n = 300_000
+    ds._table().append(pa.table({"id": pa.array(np.arange(n), pa.int64()), "v": pa.array(["x"] * n),
+                                 "ts": pa.array(np.zeros(n, np.int64))}))
+    stop, foreign = threading.Event(), []
+
+    def writer() -> None:
+        catalog = SqlCatalog("onceflow", uri=f"sqlite:///{tmp_path}/catalog.db")
+        i = 1
+        while not stop.is_set():
+            try:
+                catalog.load_table("lake.u").append(pa.table({"id": pa.array([-i], pa.int64()), "v": ["other"],
+                                                              "ts": pa.array([0], pa.int64())}))
+                foreign.append(-i)
+            except CommitFailedException:
+                pass
+            i += 1
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while len(foreign) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        raced = batch = 0
+        while not raced and batch < 5:  # until the writer committed during a decide
+            before = len(foreign)
+            _apply(ds, lineage, epoch, batch, [[(batch, "mine", 1)]])
+            raced, batch = len(foreign) - before, batch + 1
+    finally:
+        stop.set()
+        thread.join(30)
+    assert raced, "the writer committed while a batch was decided"
+    rows = ds._table().scan().to_arrow()
+    ids = rows.column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == n + len(foreign)
+    assert sorted(i for i in ids if i < 0) == sorted(foreign)
+    mine = rows.filter(pa.compute.equal(rows.column("v"), "mine")).column("id").to_pylist()
+    assert sorted(mine) == list(range(batch))

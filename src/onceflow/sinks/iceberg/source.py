@@ -17,8 +17,10 @@ recovery.
 Upserts (``write=upsert``, :mod:`.upsert`): the tasks' files are staged rows; the decision
 snapshot removes the data files holding the batch's keys and adds their rewrites and the
 batch's winning rows (summary entry ``onceflow.outputs``), with the same check, fence and
-conditional commit, re-planned on the new metadata after every refused commit. The staged
-files are deleted after the commit like a losing attempt's.
+conditional commit; after a refused commit the same plan is committed on the new metadata
+when the commits in between only appended files without the batch's keys, else it is planned
+again there (:class:`~.upsert.UpsertPlan`). The staged files are deleted after the commit like
+a losing attempt's.
 
 Fencing: :meth:`IcebergDataSource.acquire_epoch` commits a snapshot (no files) raising the
 lineage's epoch. Each decision is checked against, and committed on top of, exactly the
@@ -79,6 +81,7 @@ from onceflow.sinks.iceberg.state import (
 from onceflow.sinks.iceberg.upsert import (
     OUTPUTS,
     BatchChange,
+    UpsertPlan,
     UpsertSpec,
     check_keys,
     read_staged,
@@ -360,10 +363,12 @@ class IcebergDataSource(TwoPhaseCommitSink):
         """
         names = [h["path"] for h in decision.handles]
         what = f"decide batch {decision.batch_id}"
+        plan: UpsertPlan | None = None
         for attempt in range(_MAX_CONFLICTS):
             table = self._table()
             state = LineageState(None, -1) if table is None else self._state(table, decision.lineage)
             if state.epoch != decision.epoch:
+                self._discard(plan)
                 raise fenced(self.format_name, decision.lineage, decision.epoch, state.epoch, what)
             if state.batch >= decision.batch_id:
                 stored = self._stored(table, decision.lineage, decision.batch_id)
@@ -373,6 +378,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
                     added = self._added(table, decision.lineage, decision.batch_id)
                     self._remember(decision, names if added is None else added)
                     return  # our own earlier attempt landed
+                self._discard(plan)
                 raise fenced(self.format_name, decision.lineage, decision.epoch, state.epoch,
                              f"{what} (already decided by another commit)")
             summary = decision_properties(self.sink_id, decision.lineage, decision.epoch,
@@ -383,8 +389,12 @@ class IcebergDataSource(TwoPhaseCommitSink):
                                  summary, names)
                     added = names
                 else:
-                    added = self._commit_upsert(table, decision, summary, attempt)
-            except (CommitFailedException, CommitStateUnknownException):
+                    plan = self._plan_upsert(table, decision, attempt, plan)
+                    added = self._commit_upsert(table, decision, summary, plan)
+            except CommitFailedException:
+                continue
+            except CommitStateUnknownException:
+                plan = None  # it may have landed (step 3 tells): its files are never reused or deleted
                 continue
             except Exception as e:  # noqa: BLE001 - a file gone, the catalog's database down...
                 # Whether or not it landed, the restarted driver's step 3 finds out.
@@ -393,6 +403,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
             self._remember(decision, added)
             maybe_crash("after_catalog_commit", decision.batch_id, None, self.opts)
             return
+        self._discard(plan)
         raise SinkError(f"onceflow-iceberg: {self.identifier} changed under every one of "
                         f"{_MAX_CONFLICTS} attempts to commit batch {decision.batch_id}; retried "
                         "by the restart strategy")
@@ -402,49 +413,77 @@ class IcebergDataSource(TwoPhaseCommitSink):
         file of an older epoch for such a batch is an orphan; see :meth:`commit`)."""
         return _DECIDED.setdefault((self.identifier, lineage, self.epoch), OrderedDict())
 
-    def _commit_upsert(self, table, decision: Decision, summary: dict[str, str], attempt: int) -> list[str]:
-        """One conditional commit of an upsert batch on top of exactly ``table``'s metadata
-        (:mod:`.upsert`): one snapshot removing the data files that hold the batch's keys,
-        adding their rewrites and a file of the winning rows, with ``summary`` (plus the files
-        it adds) and the lineage's state property. Returns the names of the files it added.
-        CommitFailedException (nothing landed: the files written for it are deleted) when
-        anything was committed since ``table`` was loaded."""
+    def _plan_upsert(self, table, decision: Decision, attempt: int, prior: UpsertPlan | None) -> UpsertPlan:
+        """The upsert commit of this batch on ``table``'s metadata (:mod:`.upsert`): ``prior``
+        when it still holds there, else a new plan (``prior``'s files deleted: refused, no
+        snapshot references them) that removes the data files holding the batch's keys and
+        writes their rewrites and a file of the winning rows."""
         from pyiceberg.io.pyarrow import parquet_file_to_data_file, schema_to_pyarrow
 
+        if prior is not None and prior.holds_on(table):
+            current = table.current_snapshot()  # checked up to here: the next check walks from it
+            prior.base = current.snapshot_id if current else None
+            return prior
         fs, path = self._data_dir(table)
-        change = BatchChange.of(read_staged(fs, path, [h["path"] for h in decision.handles]), self.upsert)
+        if prior is None:
+            change = BatchChange.of(read_staged(fs, path, [h["path"] for h in decision.handles]), self.upsert)
+        else:
+            change = prior.change
+            log.info("onceflow-iceberg: batch %s: %s changed the batch's keys or the table's layout "
+                     "meanwhile; planning again", decision.batch_id, self.identifier)
+            self._drop(fs, path, prior.added)
         target, location = schema_to_pyarrow(table.schema()), table.location().rstrip("/")
-        removed, added = [], []
+        snapshot = table.current_snapshot()
+        plan = UpsertPlan(change, snapshot.snapshot_id if snapshot else None, table.metadata.current_schema_id,
+                          table.metadata.default_spec_id, [], [], [])
 
         def write(part: int, rows) -> None:
             name = file_name(TaskInfo(decision.lineage, decision.batch_id, part, attempt), decision.epoch)
-            added.append(name)
+            plan.added.append(name)
             write_file(fs, f"{path}/{name}", rows, target, self.compression)
 
         try:
             for part, (data_file, kept) in enumerate(rewrites(table, change), start=1):
-                removed.append(data_file)
+                plan.removed.append(data_file)
                 if kept is not None:
                     write(part, kept)
             if change.upserts.num_rows:
                 write(0, change.upserts)
-            files = [parquet_file_to_data_file(table.io, table.metadata, f"{location}/data/{n}") for n in added]
-            tx = _checked_transaction()(table)
-            tx.set_properties({state_key(self.sink_id, decision.lineage):
-                               LineageState(decision.epoch, decision.batch_id).as_property()})
-            producer = tx.update_snapshot(snapshot_properties=summary | {OUTPUTS: json.dumps(added)})
-            with producer.overwrite() if removed else producer.fast_append() as snapshot:
-                for data_file in removed:
-                    snapshot.delete_data_file(data_file)
-                for data_file in files:
-                    snapshot.append_data_file(data_file)
-            tx.commit_transaction()
-        except CommitFailedException:
-            for name in added:  # refused: no snapshot references them
-                if fs.exists(f"{path}/{name}"):
-                    fs.rm(f"{path}/{name}")
+            plan.files = [parquet_file_to_data_file(table.io, table.metadata, f"{location}/data/{n}")
+                          for n in plan.added]
+        except BaseException:
+            self._drop(fs, path, plan.added)
             raise
-        return added
+        return plan
+
+    @staticmethod
+    def _drop(fs, path: str, names: list[str]) -> None:
+        for name in names:
+            if fs.exists(f"{path}/{name}"):
+                fs.rm(f"{path}/{name}")
+
+    def _discard(self, plan: UpsertPlan | None) -> None:
+        """Delete the files of a plan whose last commit was refused (decide gives up)."""
+        if plan is not None:
+            self._drop(*self._data_dir(), plan.added)
+
+    def _commit_upsert(self, table, decision: Decision, summary: dict[str, str], plan: UpsertPlan) -> list[str]:
+        """One conditional commit of ``plan`` on top of exactly ``table``'s metadata: one
+        snapshot removing its data files and adding its files, with ``summary`` (plus the files
+        it adds) and the lineage's state property. Returns the names of the files it added.
+        CommitFailedException (nothing landed) when anything was committed since ``table`` was
+        loaded; the plan's files stay for the next attempt (:meth:`_plan_upsert`)."""
+        tx = _checked_transaction()(table)
+        tx.set_properties({state_key(self.sink_id, decision.lineage):
+                           LineageState(decision.epoch, decision.batch_id).as_property()})
+        producer = tx.update_snapshot(snapshot_properties=summary | {OUTPUTS: json.dumps(plan.added)})
+        with producer.overwrite() if plan.removed else producer.fast_append() as snapshot:
+            for data_file in plan.removed:
+                snapshot.delete_data_file(data_file)
+            for data_file in plan.files:
+                snapshot.append_data_file(data_file)
+        tx.commit_transaction()
+        return plan.added
 
     def _added(self, table, lineage: str, batch_id: int) -> list[str] | None:
         """Names of the data files the decision of batch N added (None: its snapshot expired)."""

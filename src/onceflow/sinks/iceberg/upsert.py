@@ -19,6 +19,14 @@ own order, task partition id then row position in the task. A winning event whos
 column is true (null: false) deletes the key; an absent key that is deleted stays absent.
 Null keys are refused in the task (:func:`check_keys`): an Iceberg row with a null key could be
 neither matched nor replaced.
+
+A commit refused because another writer committed first is not planned again from scratch
+when it need not be (:class:`UpsertPlan`): if every snapshot committed since the plan's base
+only appended data files, none of which holds a key of the batch, and the schema and partition
+spec are the same, the same removes and adds are committed on the new metadata (what Iceberg's
+own conflict validation accepts); anything else is planned again. A plan that re-read and
+rewrote the touched files after every refusal lost every race against a writer committing more
+often than a plan takes, and starved.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from onceflow.sinks.upserts import DELETE_COLUMN, last_per_key, parse_wire
 #: snapshot summary entry of an upsert decision: the data files it added (JSON list of names)
 OUTPUTS = "onceflow.outputs"
 _IN_LIMIT = 200  # distinct keys up to which the file pruning filter lists them (pyiceberg's limit)
+_WALK_LIMIT = 1000  # snapshots since a plan's base checked before planning again instead
 _FMT = "onceflow-iceberg"
 
 
@@ -191,3 +200,68 @@ def write_file(fs: Any, path: str, rows: pa.Table, schema: pa.Schema, compressio
     rows = rows.select(schema.names).cast(schema)
     with fs.open(path, "wb") as f:
         pq.write_table(rows, f, compression=compression)
+
+
+@dataclass
+class UpsertPlan:
+    """One planned upsert commit, valid on top of snapshot ``base`` (None: the empty table):
+    the data files it removes and the files it wrote to add (``added`` names, ``files`` their
+    pyiceberg data files)."""
+
+    change: BatchChange
+    base: int | None
+    schema_id: int
+    spec_id: int
+    removed: list[Any]
+    added: list[str]
+    files: list[Any]
+
+    def holds_on(self, table: Any) -> bool:
+        """Whether the plan may be committed unchanged on ``table``'s current metadata: the same
+        schema and partition spec, and every snapshot on ``main`` since ``base`` an append
+        whose data files cannot hold a key of the batch (key-column bounds, then the rows
+        themselves when the bounds cannot tell). Anything else (an overwrite, a delete, delete
+        files, a base no longer an ancestor): False, the batch is planned again."""
+        from pyiceberg.table.snapshots import Operation
+
+        meta = table.metadata
+        if (meta.current_schema_id, meta.default_spec_id) != (self.schema_id, self.spec_id):
+            return False
+        snapshot = table.current_snapshot()
+        for _ in range(_WALK_LIMIT):
+            if (snapshot.snapshot_id if snapshot else None) == self.base:
+                return True
+            if (snapshot is None or snapshot.summary is None or snapshot.summary.operation != Operation.APPEND
+                    or self._touched_by(table, snapshot)):
+                return False
+            parent = snapshot.parent_snapshot_id
+            snapshot = None if parent is None else meta.snapshot_by_id(parent)
+            if parent is not None and snapshot is None:
+                return False  # history expired: cannot tell
+        return False
+
+    def _touched_by(self, table: Any, snapshot: Any) -> bool:
+        """Whether ``snapshot`` added delete files or a data file holding a key of the batch."""
+        # pyiceberg's metrics evaluator is private; the pin (>=0.12,<0.13) keeps it in place
+        from pyiceberg.expressions import AlwaysTrue
+        from pyiceberg.expressions.visitors import _InclusiveMetricsEvaluator
+        from pyiceberg.io.pyarrow import ArrowScan
+        from pyiceberg.manifest import ManifestContent, ManifestEntryStatus
+        from pyiceberg.table import FileScanTask
+
+        if self.change.keys.num_rows == 0:
+            return False
+        bounds = _InclusiveMetricsEvaluator(table.schema(), self.change.prune_filter())
+        for manifest in snapshot.manifests(table.io):
+            if manifest.added_snapshot_id != snapshot.snapshot_id:
+                continue
+            if manifest.content != ManifestContent.DATA:
+                return True
+            for entry in manifest.fetch_manifest_entry(table.io, discard_deleted=True):
+                if entry.status != ManifestEntryStatus.ADDED or not bounds.eval(entry.data_file):
+                    continue
+                rows = ArrowScan(table.metadata, table.io, table.schema(), AlwaysTrue()).to_table(
+                    [FileScanTask(entry.data_file)])
+                if pc.any(self.change.matching(rows)).as_py():
+                    return True
+        return False
