@@ -45,6 +45,9 @@ _ALL = [
     Setting("ONCEFLOW_JVM_CACHE", "1", "`0` turns off the cache of Spark's JVM class archive "
             "(faster driver starts)."),
     Setting("ONCEFLOW_JVM_CACHE_DIR", "~/.cache/onceflow/jvm", "Where the JVM class archive is kept."),
+    Setting("ONCEFLOW_STANDBY_WARM_UP", "1", "`0`: a standby driver starts its JVM and Spark "
+            "session only, without the warm-up query and its reruns while waiting (less CPU; "
+            "its takeover takes seconds longer: docs/recovery.md)."),
     Setting("ONCEFLOW_TASK_EVENTS", None, "`1`: every sink task logs the rows it processed to "
             "the event log (replays included); verify and the demo use it."),
     Setting("ONCEFLOW_NO_EVENTS", None, "Non-empty: sinks write no `sink_commit` events "

@@ -55,6 +55,7 @@ from onceflow.runtime.metrics import PORT_ENV, serve
 from onceflow.runtime.runner import driver_spark
 from onceflow.runtime.standby import GO_ENV, keep_warm, mark_ready, takes_over, wait_for_go, warm_up
 from onceflow.savepoint.operations import savepoint_on_stop, stop_requested
+from onceflow.settings import setting
 
 
 def watch_jvm(interval: float = 0.5) -> threading.Thread:
@@ -185,10 +186,11 @@ def _standby(job, go: str, stop: threading.Event):
     log = logging.getLogger("onceflow.driver")
     spark = driver_spark(job, job.checkpoint.directory)
     scratch_dir = scratch.driver_dir(job.name, job.checkpoint.directory)
-    warm_s = warm_up(spark, job, go, scratch_dir)
+    warm = setting("ONCEFLOW_STANDBY_WARM_UP", "1").lower() not in ("0", "false", "off", "no")
+    warm_s = warm_up(spark, job, go, scratch_dir) if warm else 0.0
     mark_ready(go, warm_s)
-    log.info("standby ready (warm-up %.1f s); waiting for %s", warm_s, go)
-    if not wait_for_go(go, stop, warm=lambda: keep_warm(spark, job, go, scratch_dir)):
+    log.info("standby ready (warm-up %s); waiting for %s", f"{warm_s:.1f} s" if warm else "off", go)
+    if not wait_for_go(go, stop, warm=(lambda: keep_warm(spark, job, go, scratch_dir)) if warm else None):
         return None
     log.info("standby promoted: taking over the lease of %s", job.checkpoint.directory)
     return spark
