@@ -233,7 +233,8 @@ def test_recreated_stream_is_data_loss_unless_allowed(spark, kinesalite, stream_
 class ThrottlingProxy:
     """An HTTP proxy in front of kinesalite that answers the first requests of some Kinesis
     operations with the errors Kinesis sends when a shard's limits are exceeded (kinesalite
-    never throttles); everything else is forwarded unchanged."""
+    never throttles), or ``DROP``: closes the connection without a reply; everything else is
+    forwarded unchanged."""
 
     def __init__(self, upstream_port: int, throttle: dict[str, list[str]]) -> None:
         import http.client
@@ -253,6 +254,9 @@ class ThrottlingProxy:
                 if plan.get(op):
                     code = plan[op].pop(0)
                     proxy.sent.append(f"{op}:{code}")
+                    if code == "DROP":  # a lost reply: the connection closes without an answer
+                        self.close_connection = True
+                        return
                     reply = json.dumps({"__type": code, "message": "Rate exceeded for shard"}).encode()
                     self.send_response(400)
                     self.send_header("Content-Type", "application/x-amz-json-1.1")
@@ -286,8 +290,8 @@ def test_throttled_requests_are_retried_with_backoff_and_counted(spark, kinesali
     k.create_stream(stream_name, 1)
     put_ids(k, stream_name, range(300))
     proxy = ThrottlingProxy(k.port, {
-        "GetRecords": ["ProvisionedThroughputExceededException"] * 2,
-        "GetShardIterator": ["LimitExceededException"]})
+        "GetRecords": ["ProvisionedThroughputExceededException"] * 2 + ["DROP"],
+        "GetShardIterator": ["LimitExceededException", "DROP"]})
     try:
         opts = {**k.source_options(), "endpoint_url": proxy.endpoint}
         source = KinesisSource(stream_name, starting_position="TRIM_HORIZON", event_log=str(tmp_path / "out-cp"),
@@ -296,8 +300,10 @@ def test_throttled_requests_are_retried_with_backoff_and_counted(spark, kinesali
     finally:
         proxy.close()
     assert sorted(int(r.data) for r in rows) == list(range(300))
-    assert sorted(proxy.sent) == ["GetRecords:ProvisionedThroughputExceededException"] * 2 + [
-        "GetShardIterator:LimitExceededException"]
+    # the dropped replies (seen once in CI: the query failed with ConnectionClosedError) were
+    # asked again, not counted as throttles
+    assert sorted(proxy.sent) == ["GetRecords:DROP"] + ["GetRecords:ProvisionedThroughputExceededException"] * 2 + [
+        "GetShardIterator:DROP", "GetShardIterator:LimitExceededException"]
     counted = [e for e in EventLog(str(tmp_path / "out-cp")).read() if e["event"] == "source_throttled"]
     assert sum(e["requests"] for e in counted) == 3, counted
 

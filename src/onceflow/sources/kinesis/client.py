@@ -95,9 +95,9 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         ClientError,
         ConnectionError,
         EndpointConnectionError,
+        HTTPClientError,
         NoCredentialsError,
         PartialCredentialsError,
-        ReadTimeoutError,
     )
     from tenacity import (
         RetryError,
@@ -118,7 +118,9 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
                 return True
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             return code in TRANSIENT_CODES or status >= 500
-        return isinstance(e, ConnectionError | ReadTimeoutError)
+        # a connection closed before the reply, a read timeout, a reply cut short: every call
+        # here only reads, so asking again is safe (botocore's own retries are off)
+        return isinstance(e, ConnectionError | HTTPClientError)
 
     def before_sleep(state) -> None:
         e = state.outcome.exception()
@@ -134,7 +136,7 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
         return retrying(fn, **kwargs)
     except RetryError as e:
         last = e.last_attempt.exception()
-        if isinstance(last, ConnectionError | ReadTimeoutError):
+        if isinstance(last, ConnectionError | HTTPClientError):
             raise SourceError(f"{NAME}: cannot reach {s.where} ({one_line(last)}); check endpointUrl/"
                               "region and the network (the restart strategy retries)") from None
         raise SourceError(f"{NAME}: {what} on {s.where} still failing after {s.max_retries} "
@@ -142,7 +144,7 @@ def call(s: Settings, what: str, fn: Callable[..., T], **kwargs: Any) -> T:
     except (NoCredentialsError, PartialCredentialsError):
         raise _fail("no AWS credentials found: set awsAccessKeyId/awsSecretAccessKey (or "
                     "profileName), or configure boto3's chain (AWS_* environment, ~/.aws, a role)") from None
-    except (EndpointConnectionError, ConnectionError, ReadTimeoutError) as e:
+    except (EndpointConnectionError, ConnectionError, HTTPClientError) as e:
         raise SourceError(f"{NAME}: cannot reach {s.where} ({one_line(e)}); check endpointUrl/region "
                           "and the network (the restart strategy retries)") from None
     except ClientError as e:
