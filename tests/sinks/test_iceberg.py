@@ -646,3 +646,26 @@ def test_an_upsert_is_not_starved_by_a_writer_appending_other_keys_all_the_time(
     assert sorted(i for i in ids if i < 0) == sorted(foreign)
     mine = rows.filter(pa.compute.equal(rows.column("v"), "mine")).column("id").to_pylist()
     assert sorted(mine) == list(range(batch))
+
+
+def test_a_partitioned_table_is_refused_when_the_query_starts_in_one_line(tmp_path):
+    """The sink writes files that may span partitions; before, a partitioned table failed at the
+    first commit (pyiceberg: "Cannot infer partition value") and restarted on the same error."""
+    from pyiceberg.catalog.sql import SqlCatalog
+    from pyiceberg.partitioning import PartitionField, PartitionSpec
+    from pyiceberg.schema import Schema
+    from pyiceberg.transforms import IdentityTransform
+    from pyiceberg.types import LongType as ILong
+    from pyiceberg.types import NestedField
+
+    from onceflow import IcebergSink
+
+    catalog = SqlCatalog("onceflow", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/wh")
+    catalog.create_namespace("lake")
+    catalog.create_table("lake.p", schema=Schema(NestedField(1, "id", ILong(), required=False)),
+                         partition_spec=PartitionSpec(PartitionField(1, 1000, IdentityTransform(), "id")))
+    for write in ({}, {"write": "upsert", "keys": ["id"]}):
+        ds = IcebergSink(f"sqlite:///{tmp_path}/catalog.db", "lake.p", **write).data_source()
+        with pytest.raises(ConfigError, match="lake.p is partitioned") as e:
+            ds.validate(SCHEMA, False)
+        assert "\n" not in str(e.value) and "unpartitioned" in str(e.value)

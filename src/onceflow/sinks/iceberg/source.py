@@ -222,6 +222,12 @@ class IcebergDataSource(TwoPhaseCommitSink):
         if table is None:  # created now, so that tasks know where to write before any commit
             self.write_schema = schema
             table = self._create()
+        if not table.spec().is_unpartitioned():
+            fields = ", ".join(f"{f.name}={f.transform}" for f in table.spec().fields)
+            raise ConfigError(f"onceflow-iceberg: table {self.identifier} is partitioned "
+                              f"({fields}); the sink writes unpartitioned tables only so far "
+                              "(a task's file may span partitions): use an unpartitioned table, or a "
+                              "new name for the sink to create")
         want = {f.name: f.type for f in self._table_schema(schema)}
         have = {f.name: f.type for f in table.schema().as_arrow()}
         if want.keys() != have.keys():
@@ -367,8 +373,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
         for attempt in range(_MAX_CONFLICTS):
             table = self._table()
             state = LineageState(None, -1) if table is None else self._state(table, decision.lineage)
-            if state.epoch != decision.epoch:
-                self._discard(plan)
+            if state.epoch != decision.epoch:  # the plan's files stay: its last commit may have
+                # landed despite the refusal (unchecked here); the successor's recovery decides
                 raise fenced(self.format_name, decision.lineage, decision.epoch, state.epoch, what)
             if state.batch >= decision.batch_id:
                 stored = self._stored(table, decision.lineage, decision.batch_id)
@@ -378,7 +384,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
                     added = self._added(table, decision.lineage, decision.batch_id)
                     self._remember(decision, names if added is None else added)
                     return  # our own earlier attempt landed
-                self._discard(plan)
+                if stored.handles is not None:  # another decision's snapshot: ours never landed
+                    self._discard(plan)
                 raise fenced(self.format_name, decision.lineage, decision.epoch, state.epoch,
                              f"{what} (already decided by another commit)")
             summary = decision_properties(self.sink_id, decision.lineage, decision.epoch,
@@ -403,7 +410,8 @@ class IcebergDataSource(TwoPhaseCommitSink):
             self._remember(decision, added)
             maybe_crash("after_catalog_commit", decision.batch_id, None, self.opts)
             return
-        self._discard(plan)
+        # the last refusal was not checked against a commit that landed anyway (a catalog that
+        # said "failed" for one): the plan's files stay for the restarted driver's recovery
         raise SinkError(f"onceflow-iceberg: {self.identifier} changed under every one of "
                         f"{_MAX_CONFLICTS} attempts to commit batch {decision.batch_id}; retried "
                         "by the restart strategy")
@@ -463,7 +471,7 @@ class IcebergDataSource(TwoPhaseCommitSink):
                 fs.rm(f"{path}/{name}")
 
     def _discard(self, plan: UpsertPlan | None) -> None:
-        """Delete the files of a plan whose last commit was refused (decide gives up)."""
+        """Delete the files of a plan that cannot have landed (the batch is another decision's)."""
         if plan is not None:
             self._drop(*self._data_dir(), plan.added)
 
