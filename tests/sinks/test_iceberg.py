@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -425,37 +425,46 @@ def test_a_replayed_or_lost_reply_upsert_batch_applies_nothing(tmp_path):
     assert sorted(os.listdir(data)) == sorted(live), "staged and failed files are deleted"
 
 
-def test_an_upsert_raced_by_another_writer_is_planned_again_on_top(tmp_path):
-    """Another writer appends a row of a key the batch replaces, between the decide's read and
-    its commit (twice): the catalog refuses the commit, the decide re-reads and re-plans on the
-    new metadata, so the other writer's row of that key is replaced too (a rebased commit would
-    leave it: a key twice) and its other row stays. The refused attempts' files are deleted."""
+def _raced_upsert(tmp_path, races: int, other: Callable[[int], pa.Table]):
+    """An upsert source opened on a new lineage with batch 0 applied ({1: a, 2: b}); from now
+    on, each of its next ``races`` table loads is followed by another writer's append of
+    ``other(n)`` (n = races left), between the decide's read and its commit."""
     from onceflow.sinks.iceberg import IcebergDataSource
 
     class RacedSource(IcebergDataSource):
-        races = 2
-
         def _table(self):
             table = super()._table()
             if self.races and table is not None and self.opts.get("race") == "on":
                 self.races -= 1
-                other = pa.table({"id": pa.array([1, 100 + self.races], pa.int64()),
-                                  "v": ["other", "other"], "ts": pa.array([0, 0], pa.int64())})
-                super()._table().append(other)
+                super()._table().append(other(self.races))
             return table
 
+    RacedSource.races = races
     ds = _upsert_source(tmp_path, cls=RacedSource)
     lineage = str(uuid.uuid4())
     epoch = ds.open(lineage)
     _apply(ds, lineage, epoch, 0, [[(1, "a", 1), (2, "b", 1)]])
     ds.opts["race"] = "on"
+    return ds, lineage, epoch
+
+
+def _assert_only_live_files(ds) -> None:
+    """Every file in the table's data directory is one a snapshot references (no stray plan)."""
+    live = {p.rsplit("/", 1)[-1] for p in ds._table().inspect.all_files().column("file_path").to_pylist()}
+    assert sorted(os.listdir(ds._data_dir()[1])) == sorted(live)
+
+
+def test_an_upsert_raced_by_another_writer_is_planned_again_on_top(tmp_path):
+    """Another writer appends a row of a key the batch replaces, between the decide's read and
+    its commit (twice): the catalog refuses the commit, the decide re-reads and re-plans on the
+    new metadata, so the other writer's row of that key is replaced too (a rebased commit would
+    leave it: a key twice) and its other row stays. The refused attempts' files are deleted."""
+    ds, lineage, epoch = _raced_upsert(tmp_path, 2, lambda n: pa.table(
+        {"id": pa.array([1, 100 + n], pa.int64()), "v": ["other", "other"], "ts": pa.array([0, 0], pa.int64())}))
     _apply(ds, lineage, epoch, 1, [[(1, "mine", 2)]])
     assert ds.races == 0, "both races happened"
     assert _state(ds) == {1: ("mine", 2), 2: ("b", 1), 100: ("other", 0), 101: ("other", 0)}
-    table = ds._table()
-    live = {p.rsplit("/", 1)[-1] for p in table.inspect.all_files().column("file_path").to_pylist()}
-    fs, data = ds._data_dir()
-    assert sorted(os.listdir(data)) == sorted(live)
+    _assert_only_live_files(ds)
 
 
 def test_null_upsert_keys_are_refused_in_the_task_leaving_no_file(tmp_path):
@@ -556,27 +565,9 @@ def test_an_upsert_raced_by_appends_of_other_keys_commits_its_first_plan(tmp_pat
     metadata (its files carry attempt 0), not planned again, and every row stays."""
     import logging
 
-    from onceflow.sinks.iceberg import IcebergDataSource
-
-    class RacedSource(IcebergDataSource):
-        races = 5
-
-        def _table(self):
-            table = super()._table()
-            if self.races and table is not None and self.opts.get("race") == "on":
-                self.races -= 1
-                other = pa.table({"id": pa.array([500 + self.races], pa.int64()), "v": ["other"],
-                                  "ts": pa.array([0], pa.int64())})
-                super()._table().append(other)
-            return table
-
-    ds = _upsert_source(tmp_path, cls=RacedSource)
-    lineage = str(uuid.uuid4())
-    epoch = ds.open(lineage)
-    _apply(ds, lineage, epoch, 0, [[(1, "a", 1), (2, "b", 1)]])
-    ds.opts["race"] = "on"
-    logger = logging.getLogger("onceflow.sinks.iceberg.source")
-    records: list[logging.LogRecord] = []
+    ds, lineage, epoch = _raced_upsert(tmp_path, 5, lambda n: pa.table(
+        {"id": pa.array([500 + n], pa.int64()), "v": ["other"], "ts": pa.array([0], pa.int64())}))
+    logger, records = logging.getLogger("onceflow.sinks.iceberg.source"), []
     handler = logging.Handler()
     handler.emit = records.append
     logger.addHandler(handler)
@@ -589,8 +580,7 @@ def test_an_upsert_raced_by_appends_of_other_keys_commits_its_first_plan(tmp_pat
     added = ds._added(ds._table(), lineage, 1)
     assert added and all("-a0-" in name for name in added), added
     assert not [r for r in records if "planning again" in r.getMessage()]
-    live = {p.rsplit("/", 1)[-1] for p in ds._table().inspect.all_files().column("file_path").to_pylist()}
-    assert sorted(os.listdir(ds._data_dir()[1])) == sorted(live)
+    _assert_only_live_files(ds)
 
 
 def test_an_upsert_is_not_starved_by_a_writer_appending_other_keys_all_the_time(tmp_path):
