@@ -140,12 +140,15 @@ def test_a_decision_on_s3_asks_for_the_next_log_entry_with_one_head_and_lists_no
     assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [1, 2, 3, 4]
 
 
-def test_a_task_on_s3_reads_new_log_entries_forward_and_skips_a_batch_only_on_a_verified_view(s3):
+def test_a_task_on_s3_reads_new_log_entries_forward_and_skips_a_batch_only_on_a_verified_view(s3, monkeypatch):
     """A task brings the log state its process saw forward by reading each new entry once (a
     GET, and one 404 for the entry not written yet) instead of a delta-rs refresh (stop 42's
     code: a HEAD, a LIST of ``_delta_log``, two GETs of the new entry, a HEAD and a GET of it
     again). That view is advisory: when the table was deleted and created again, the task still
     writes the batch its stale view called decided."""
+    from onceflow.sinks.delta import log as delta_log
+
+    monkeypatch.setattr(delta_log, "TASK_REUSE_S", 0.0)  # every task reads forward (see the next test)
     ds, url, lineage, schema = _opened_with_one_batch(s3)
     task = DeltaDataSource({**ds.opts, "epoch": str(ds.epoch)})
     assert not task.is_decided(lineage, 2)  # the process's state is read once
@@ -168,6 +171,85 @@ def test_a_task_on_s3_reads_new_log_entries_forward_and_skips_a_batch_only_on_a_
     _other_writer_append(url, s3.options, [-5])
     assert not task.is_decided(lineage, 2)
     assert _batch(task, lineage, 2, [7]).handles[0]["rows"] == 1
+
+
+def _log_requests(s3, since: int) -> list[tuple[str, str, str]]:
+    return [(r[0], r[1].rsplit("/", 1)[-1] or r[5], r[4]) for r in s3.requests[since:]
+            if "_delta_log" in r[1] or "_delta_log" in r[5]]
+
+
+def test_a_task_on_s3_takes_a_state_read_within_task_reuse_s_as_it_is(s3, monkeypatch):
+    """Within ``TASK_REUSE_S`` of reading the log, a task's process takes that state as it is:
+    no request (before: two GETs per task and batch, about 10% of a 1M-row batch's time on
+    moto). The state may miss the last decision: the task then writes a decided batch again
+    (not skipped), and the commit keeps the decided files."""
+    from onceflow.sinks.delta import log as delta_log
+
+    ds, url, lineage, schema = _opened_with_one_batch(s3)
+    driver_logs, task_logs = delta_log._LOGS, {}  # two processes: each holds its own log state
+
+    def in_task(call):
+        monkeypatch.setattr(delta_log, "_LOGS", task_logs)
+        try:
+            return call()
+        finally:
+            monkeypatch.setattr(delta_log, "_LOGS", driver_logs)
+
+    task = DeltaDataSource({**ds.opts, "epoch": str(ds.epoch)})
+    monkeypatch.setattr(delta_log, "TASK_REUSE_S", 3600.0)
+    assert not in_task(lambda: task.is_decided(lineage, 2))
+    second = in_task(lambda: _batch(task, lineage, 2, [3]))
+    ds.decide(second, schema, False)
+    ds.commit(second)
+    seen = len(s3.requests)
+    assert not in_task(lambda: task.is_decided(lineage, 3))  # the state read for batch 2, as it is
+    assert not in_task(lambda: task.is_decided(lineage, 2))  # misses batch 2's decision: not skipped
+    assert _log_requests(s3, seen) == []
+    again = in_task(lambda: _batch(task, lineage, 2, [3]))  # a replay's task writes it again
+    existing = ds.decision(lineage, 2)
+    paths = [h["path"] for h in existing.handles]
+    assert paths == [h["path"] for h in second.handles] and again.handles[0]["path"] not in paths
+    ds.commit(existing)
+    ds.abort(lineage, 2, again.handles)  # what the replay's commit does with a stray file
+    monkeypatch.setattr(delta_log, "TASK_REUSE_S", 0.0)
+    assert in_task(lambda: task.is_decided(lineage, 2))  # read forward, confirmed on the table loaded afresh
+    assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [1, 2, 3]
+
+
+def test_a_fresh_task_process_on_s3_reads_forward_from_the_drivers_log_seed(s3, monkeypatch):
+    """After ``open()`` the driver hands its query's tasks the log state it holds
+    (``task_options``: ``log_seed``); a Python worker that holds nothing reads the log forward
+    from it (a GET per new entry, a 404 for the next) instead of loading the table through
+    delta-rs (a LIST of ``_delta_log`` and its reads: about half a second per worker in a
+    stream's first batch on moto). Old code: no seed (``task_options`` did not exist)."""
+    from onceflow.sinks.delta import access as delta_access
+    from onceflow.sinks.delta import log as delta_log
+
+    ds, url, lineage, schema = _opened_with_one_batch(s3)
+    opts = ds.task_options(lineage)
+    assert set(opts) == {"log_seed"}
+    _other_writer_append(url, s3.options, [-1])  # a version the seed does not hold
+    monkeypatch.setattr(delta_log, "_LOGS", {})  # a fresh Python worker: no log, no table held
+    monkeypatch.setattr(delta_access, "_TABLES", {})
+    monkeypatch.setattr(delta_log, "TASK_REUSE_S", 0.0)
+    task = DeltaDataSource({**ds.opts, "epoch": str(ds.epoch), **opts})
+    version = _table(url, s3.options).version()
+    seen = len(s3.requests)
+    assert not task.is_decided(lineage, 2)
+    assert _log_requests(s3, seen) == [("GET", f"{version:020d}.json", "200"),
+                                       ("GET", f"{version + 1:020d}.json", "404")]
+    second = _batch(task, lineage, 2, [3])
+    ds.decide(second, schema, False)
+    ds.commit(second)
+    assert sorted(_table(url, s3.options).to_pyarrow_table()["id"].to_pylist()) == [-1, 1, 2, 3]
+    # a seed older than FORWARD_MAX_AGE_S, or one that cannot be read, is ignored: the table is loaded
+    monkeypatch.setattr(delta_log, "_LOGS", {})
+    monkeypatch.setattr(delta_log, "FORWARD_MAX_AGE_S", 0.0)
+    stale = DeltaDataSource({**ds.opts, "epoch": str(ds.epoch), **opts})
+    assert stale.is_decided(lineage, 2)
+    monkeypatch.setattr(delta_log, "_LOGS", {})
+    broken = DeltaDataSource({**ds.opts, "epoch": str(ds.epoch), "log_seed": "{not json"})
+    assert broken.is_decided(lineage, 2)
 
 
 def test_spark_job_to_delta_on_s3a_exactly_once_beside_a_concurrent_writer(spark, s3_server, tmp_path, monkeypatch):

@@ -342,12 +342,13 @@ class JobRunner:
         lineage = ensure_lineage(self.ckpt)
         t1 = time.time()
         epoch = source.open(lineage)  # new fencing epoch + recovery; SinkError while unreachable
+        extra = source.task_options(lineage)
         t2 = time.time()
         self.events.append("sink_open", sink=job_sink_name(source), lineage=lineage, epoch=epoch,
                            open_s=round(t2 - t1, 3))
         while True:
             with query_conf(spark, self.url):
-                query = writer.option("epoch", str(epoch)).start()
+                query = writer.option("epoch", str(epoch)).options(**extra).start()
             self._query_started = True
             self._phases = {"build_s": round(t1 - t0, 3), "sink_open_s": round(t2 - t1, 3),
                             "query_start_s": round(time.time() - t2, 3)}

@@ -260,6 +260,12 @@ class TwoPhaseCommitSink(DataSource, ABC):
             log.warning("onceflow %s recovery for %s (epoch %d): %s", self.format_name, lineage, epoch, counts)
         return epoch
 
+    def task_options(self, lineage: str) -> dict[str, str]:
+        """Driver, after :meth:`open`: options for the query's tasks besides the sink's own,
+        such as state they would otherwise read from the sink system first. Advisory only:
+        every decision is checked by the driver as before. None by default."""
+        return {}
+
     def describe_guarantee(self) -> str:
         """One line stating the guarantee of the configured mode (for ``onceflow doctor``)."""
         return "exactly-once: batch visible atomically after a durable decision"
@@ -485,9 +491,10 @@ class Sink(ABC):
         source = sink.data_source({**opts, "checkpointlocation": checkpoint_location})
         source.write_schema = df.schema
         source.validate(df.schema, overwrite)
-        epoch = source.open(CheckpointDir(checkpoint_location).ensure_lineage())
+        lineage = CheckpointDir(checkpoint_location).ensure_lineage()
+        epoch = source.open(lineage)
         writer = (sink.stream_writer(df, source, opts, overwrite).option("checkpointLocation", checkpoint_location)
-                  .option("epoch", str(epoch)).outputMode(output_mode))
+                  .option("epoch", str(epoch)).options(**source.task_options(lineage)).outputMode(output_mode))
         return StreamWriter(writer, df.sparkSession, checkpoint_location)
 
     def data_source(self, extra: Mapping[str, str] | None = None) -> TwoPhaseCommitSink:

@@ -160,12 +160,29 @@ class DeltaTableAccess(TwoPhaseCommitSink):
             return local.sync(table, apps) or table
         return table
 
+    def task_options(self, lineage: str) -> dict[str, str]:
+        """On S3, the log state after ``open()`` as ``log_seed`` (:meth:`LocalLog.seed`): the
+        first batch's fresh Python workers read forward from it instead of loading the table."""
+        store = self._commit_log()
+        if store is None or not store.remote:
+            return {}
+        lineage = self.opts.get("lineage") or lineage
+        try:
+            self._view(lineage, log=store)  # held first-hand: recovery just loaded the table
+        except Exception as e:  # noqa: BLE001 - advisory: the tasks load the table themselves
+            log.debug("onceflow-delta: no log seed for the tasks: %s", e)
+            return {}
+        seed = store.seed((self.app_id(lineage), self.epoch_app_id(lineage)))
+        return {"log_seed": seed} if seed else {}
+
     def _forward_view(self, lineage: str) -> LogSnapshot | DeltaTable | None:
         """What a task writes for: the table's log read forward from what this process saw
         last (:meth:`LocalLog.advance`: one read per new entry, ``verified=False``), else
         :meth:`_view`. The decision checks the task's partitioning and schema again."""
         log = self._commit_log()
         if log is not None:
+            if self.opts.get("log_seed"):
+                log.take_seed(self.opts["log_seed"])
             ahead = log.advance((self.app_id(lineage), self.epoch_app_id(lineage)))
             if ahead is not None:
                 return ahead

@@ -21,8 +21,9 @@ and the entry's ETag as its identity.
 Tasks read the log forward instead (:meth:`LocalLog.advance`): the state they last saw plus the
 log entries written since, one read each and one for the entry not written yet, where a
 delta-rs refresh listed the log directory and read each new entry twice (on S3: six requests
-per task and batch instead of two). Their view is advisory: the decision checks everything
-again, and a task skips a batch as decided only on a verified view.
+per task and batch instead of two; on S3 a task takes a state its process read within
+:data:`TASK_REUSE_S` as it is). Their view is advisory: the decision checks everything again,
+and a task skips a batch as decided only on a verified view.
 
 Used only for local and S3 tables, appends, and protocols that need nothing but add actions and
 metaData (writer version 2 or lower, no table features); every other commit goes through
@@ -41,6 +42,7 @@ import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from dataclasses import replace as with_fields
 from typing import Any
 from urllib.parse import quote
 
@@ -58,6 +60,13 @@ MAX_FORWARD = 50
 #: be the table's: bounded staleness, e.g. a log cleaned up past the entry held, costs one load
 #: a minute per Python worker)
 FORWARD_MAX_AGE_S = 60.0
+#: on S3, seconds for which a task takes the newest state its process holds as it is, with no
+#: request (:meth:`LocalLog.advance`): a stream's tasks then read the log forward about once
+#: every TASK_REUSE_S per Python worker instead of twice per task and batch (two GETs, about 10%
+#: of a 1M-row batch's time on a local S3 server). Such a view may miss the last decisions: a
+#: task of a replayed batch then writes it again, and the commit keeps the decided files and
+#: removes the new ones (never a skip: that needs a verified view)
+TASK_REUSE_S = 2.0
 #: on S3, seconds for which the held entry's identity, checked by a look at it or known from
 #: writing it (:meth:`LocalLog.append`), is not checked again (:meth:`LocalLog.snapshot`): the
 #: decision right after its lookup, the next batch's lookup right after a decision. A table
@@ -102,6 +111,7 @@ class LocalLog:
         self._ahead: LogSnapshot | None = None  # the tasks' view (:meth:`advance`)
         self._checked: tuple[LogSnapshot, float] | None = None  # the last full look and when
         self._loaded_at = 0.0  # monotonic time the log's state was last known first-hand
+        self._seen_at = 0.0  # monotonic time the newest state held was last read or known
         self.eligible = False
         #: False once the filesystem refused a hard link (then delta-rs commits, as before)
         self.links = True
@@ -197,7 +207,45 @@ class LocalLog:
         ``snap`` is still the one held (another thread may have appended meanwhile)."""
         with self._lock:
             if replace or self._snap is snap:
-                self._snap, self._ahead, self._loaded_at = snap, None, at
+                self._snap, self._ahead, self._loaded_at, self._seen_at = snap, None, at, at
+
+    def seed(self, apps: Iterable[str]) -> str | None:
+        """The state held (first-hand, holding ``apps``) as a JSON seed for a process that holds
+        none (:meth:`take_seed`): what the driver passes its query's tasks after ``open()``, so
+        that fresh Python workers read the log forward from it instead of loading the table (on
+        S3 about half a second per worker in a stream's first batch). None: nothing to pass."""
+        apps = tuple(apps)
+        with self._lock:
+            snap, loaded_at = self._snap, self._loaded_at
+        if snap is None or not (self.eligible and self.links) or any(a not in snap.txns for a in apps):
+            return None
+        return json.dumps({"version": snap.version, "ident": snap.ident, "txns": dict(snap.txns),
+                           "metadata": dict(snap.metadata), "interval": self.interval, "cleanup": self.cleanup,
+                           "known": time.time() - (time.monotonic() - loaded_at)}, default=str)
+
+    def take_seed(self, seed: str) -> None:
+        """Hold ``seed`` (:meth:`seed`) as a view read forward (``verified=False``, advisory) when
+        this process holds no state of the log yet and the seed is younger than
+        :data:`FORWARD_MAX_AGE_S` by the wall clock; otherwise, or when it cannot be parsed, do
+        nothing (the task loads the table, as without a seed)."""
+        with self._lock:
+            if self._snap is not None or self._ahead is not None:
+                return
+        try:
+            got = json.loads(seed)
+            age = time.time() - float(got["known"])
+            snap = LogSnapshot(int(got["version"]), got["ident"], dict(got["txns"]), dict(got["metadata"]),
+                               verified=False)
+            interval, cleanup = max(1, int(got["interval"])), bool(got["cleanup"])
+        except (ValueError, TypeError, KeyError):
+            return
+        if not 0 <= age < FORWARD_MAX_AGE_S:
+            return
+        with self._lock:
+            if self._snap is None and self._ahead is None:
+                self.eligible, self.interval, self.cleanup = True, interval, cleanup
+                self._ahead = snap
+                self._loaded_at = self._seen_at = time.monotonic() - age
 
     def advance(self, apps: Iterable[str]) -> LogSnapshot | None:
         """A task's view: the newest state this process holds, brought forward by reading each
@@ -205,7 +253,8 @@ class LocalLog:
         to the first entry that does not exist. None when nothing is held for ``apps``, the
         state was last known first-hand more than :data:`FORWARD_MAX_AGE_S` ago, an entry changes the protocol or
         cannot be parsed, or more than :data:`MAX_FORWARD` entries are new: the caller then
-        loads the table and calls :meth:`sync`.
+        loads the table and calls :meth:`sync`. On S3, a state held that was read or known
+        within :data:`TASK_REUSE_S` is returned as it is, without a request.
 
         Advisory (``verified=False``): the entry it starts from is not checked to be still the
         table's. What a task writes for is checked again by the decision; a task must confirm
@@ -213,12 +262,15 @@ class LocalLog:
         apps = tuple(apps)
         with self._lock:
             held = [s for s in (self._snap, self._ahead) if s is not None]
-            loaded_at = self._loaded_at
-        if not held or not (self.eligible and self.links) or time.monotonic() - loaded_at > FORWARD_MAX_AGE_S:
+            loaded_at, seen_at = self._loaded_at, self._seen_at
+        started = time.monotonic()
+        if not held or not (self.eligible and self.links) or started - loaded_at > FORWARD_MAX_AGE_S:
             return None
         snap = max(held, key=lambda s: s.version)
         if any(a not in snap.txns for a in apps):
             return None
+        if self.remote and started - seen_at < TASK_REUSE_S:
+            return with_fields(snap, verified=False) if snap.verified else snap
         txns, metadata, version, ident = dict(snap.txns), snap.metadata, snap.version, snap.ident
         for _ in range(MAX_FORWARD + 1):
             got = self._read(version + 1)
@@ -243,7 +295,7 @@ class LocalLog:
         ahead = LogSnapshot(version, ident, txns, metadata, verified=False)
         with self._lock:
             if self._ahead is None or self._ahead.version <= version:
-                self._ahead = ahead
+                self._ahead, self._seen_at = ahead, max(self._seen_at, started)
         return ahead
 
     def sync(self, table: DeltaTable, apps: Iterable[str]) -> LogSnapshot | None:
@@ -315,7 +367,7 @@ class StoreLog(LocalLog):
     last one, thus costs the lookup's HEAD of the next entry (404) and the PUT, whose answer
     carries the new entry's ETag; a delta-rs commit refreshed the table (a listing of ``_delta_log`` and a GET
     per new entry) and then committed. A task's :meth:`advance` costs one GET per new entry
-    (with its ETag) and one for the next, absent entry."""
+    (with its ETag) and one for the next, absent entry, at most once per :data:`TASK_REUSE_S`."""
 
     def __init__(self, fs: Any, root: str):
         super().__init__(root)

@@ -94,6 +94,7 @@ class DeltaDataSource(DeltaTableAccess):
         "sink_id": "name of this sink within the job, part of the app id (default 'delta')",
         "mode": "append or complete (replace the table each batch); default: the query's output mode",
         "row_group_rows": "rows per Parquet row group (default 1000000)",
+        "log_seed": "the table log's state after open(), for the tasks (set by Job.run and write_stream on S3)",
         "storage_options": "JSON object of object-store options, fsspec or delta-rs keys "
                            "(default: the job's, else ONCEFLOW_STORAGE_OPTIONS; docs/object-stores.md)",
         "writer": "arrow (default) or jvm (Spark's Parquet writer per batch; DeltaSink in a Job only)",
