@@ -98,9 +98,10 @@ def test_worker_kill_driver_kill_and_stop_with_savepoint_on_a_standalone_cluster
         _wait(lambda: (work / "worker-killed").exists() and len(ckpt.committed_batches()) >= 6,
               "the Worker kill and three more batches", sup)
         # the Master drops the killed Worker when its connection closes (under load it took
-        # longer than three batches; at most spark.worker.timeout, 60 s)
+        # longer than three batches, and once, in a fresh-clone run beside two other workers,
+        # longer than 90 s although spark.worker.timeout is 10 s here)
         _wait(lambda: len([w for w in cluster.state()["workers"] if w["state"] == "ALIVE"]) == 1,
-              "the Master to drop the killed Worker (the other one runs the job)", sup, timeout=90)
+              "the Master to drop the killed Worker (the other one runs the job)", sup, timeout=180)
 
         before = len(ckpt.committed_batches())
         driver = [e for e in _events(work) if e["event"] == "start"][-1]["pid"]
