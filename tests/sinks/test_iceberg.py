@@ -583,59 +583,44 @@ def test_an_upsert_raced_by_appends_of_other_keys_commits_its_first_plan(tmp_pat
     _assert_only_live_files(ds)
 
 
-def test_an_upsert_is_not_starved_by_a_writer_appending_other_keys_all_the_time(tmp_path):
-    """A writer in another thread appends rows of other keys every 0.1 s while the job upserts
-    keys held by a 300,000-row file: rewriting that file takes longer than the writer's cycle,
-    so a decide that planned again after every refused commit never landed (100 refusals, then
-    a SinkError); with the plan kept it lands, and every foreign row the writer committed stays."""
-    import threading
-
-    import numpy as np
+def test_an_upsert_is_not_starved_by_a_writer_appending_other_keys_all_the_time(tmp_path, monkeypatch):
+    """Another writer appends rows of other keys while every upsert plan is written (the
+    rewrite of the files holding the batch's keys is the slow part of a decide): a decide
+    that planned again after each refused commit was refused every time (100 refusals, then a
+    SinkError); with the plan kept after a refusal caused by appends of other keys, the retry
+    writes nothing and lands, and every foreign row stays. The interleaving is placed, not
+    timed: the foreign commit runs inside each plan's rewrite step."""
     from pyiceberg.catalog.sql import SqlCatalog
-    from pyiceberg.exceptions import CommitFailedException
+
+    from onceflow.sinks.iceberg import source
 
     ds = _upsert_source(tmp_path)
     lineage = str(uuid.uuid4())
     epoch = ds.open(lineage)
-    n = 300_000
-    ds._table().append(pa.table({"id": pa.array(np.arange(n), pa.int64()), "v": pa.array(["x"] * n),
-                                 "ts": pa.array(np.zeros(n, np.int64))}))
-    stop, foreign = threading.Event(), []
+    n = 1000
+    ds._table().append(pa.table({"id": pa.array(range(n), pa.int64()), "v": pa.array(["x"] * n),
+                                 "ts": pa.array([0] * n, pa.int64())}))
+    catalog = SqlCatalog("onceflow", uri=f"sqlite:///{tmp_path}/catalog.db")
+    foreign, plans = [], []
+    rewrites = source.rewrites
 
-    def writer() -> None:
-        catalog = SqlCatalog("onceflow", uri=f"sqlite:///{tmp_path}/catalog.db")
-        i = 1
-        while not stop.is_set():
-            try:
-                catalog.load_table("lake.u").append(pa.table({"id": pa.array([-i], pa.int64()), "v": ["other"],
-                                                              "ts": pa.array([0], pa.int64())}))
-                foreign.append(-i)
-            except CommitFailedException:
-                pass
-            i += 1
-            time.sleep(0.1)
+    def raced_rewrites(table, change):
+        plans.append(1)
+        foreign.append(-len(plans))  # another writer commits while this plan is written
+        catalog.load_table("lake.u").append(pa.table({"id": pa.array([foreign[-1]], pa.int64()),
+                                                      "v": ["other"], "ts": pa.array([0], pa.int64())}))
+        yield from rewrites(table, change)
 
-    thread = threading.Thread(target=writer, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while len(foreign) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        raced = batch = 0
-        while not raced and batch < 5:  # until the writer committed during a decide
-            before = len(foreign)
-            _apply(ds, lineage, epoch, batch, [[(batch, "mine", 1)]])
-            raced, batch = len(foreign) - before, batch + 1
-    finally:
-        stop.set()
-        thread.join(30)
-    assert raced, "the writer committed while a batch was decided"
+    monkeypatch.setattr(source, "rewrites", raced_rewrites)
+    for batch in range(3):
+        _apply(ds, lineage, epoch, batch, [[(batch, "mine", 1)]])
+    assert len(plans) == 3, "each batch planned once: the refused commit's retry reused its plan"
     rows = ds._table().scan().to_arrow()
     ids = rows.column("id").to_pylist()
     assert len(ids) == len(set(ids)) == n + len(foreign)
     assert sorted(i for i in ids if i < 0) == sorted(foreign)
     mine = rows.filter(pa.compute.equal(rows.column("v"), "mine")).column("id").to_pylist()
-    assert sorted(mine) == list(range(batch))
+    assert sorted(mine) == [0, 1, 2]
 
 
 def test_a_partitioned_table_is_refused_when_the_query_starts_in_one_line(tmp_path):
