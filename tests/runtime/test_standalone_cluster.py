@@ -70,12 +70,22 @@ def _events(work) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait(cond, what: str, proc: subprocess.Popen, timeout: float = 240) -> None:
+def _wait(cond, what: str, proc: subprocess.Popen, timeout: float = 240, why=lambda: "") -> None:
+    """Wait for ``cond``; ``why()`` adds what explains a time-out to its message."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert proc.poll() is None, f"onceflow run exited {proc.returncode} while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}{why()}"
         time.sleep(0.5)
+
+
+def _master_view(cluster: StandaloneCluster, work) -> str:
+    """The Master's workers and the last lines of its log (a time-out in a loaded fresh-clone
+    run left nothing to read)."""
+    workers = [(w["id"], w["state"]) for w in cluster.state()["workers"]]
+    killed = (work / "worker-killed").read_text() if (work / "worker-killed").exists() else "?"
+    log = "".join(open(f"{cluster.workdir}/master.log").readlines()[-40:])
+    return f"\nkilled Worker pid {killed}; the Master's workers: {workers}\nmaster.log:\n{log}"
 
 
 @pytest.mark.slow
@@ -101,7 +111,8 @@ def test_worker_kill_driver_kill_and_stop_with_savepoint_on_a_standalone_cluster
         # longer than three batches, and once, in a fresh-clone run beside two other workers,
         # longer than 90 s although spark.worker.timeout is 10 s here)
         _wait(lambda: len([w for w in cluster.state()["workers"] if w["state"] == "ALIVE"]) == 1,
-              "the Master to drop the killed Worker (the other one runs the job)", sup, timeout=180)
+              "the Master to drop the killed Worker (the other one runs the job)", sup, timeout=180,
+              why=lambda: _master_view(cluster, work))
 
         before = len(ckpt.committed_batches())
         driver = [e for e in _events(work) if e["event"] == "start"][-1]["pid"]
