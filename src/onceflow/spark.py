@@ -85,6 +85,8 @@ DEFAULTS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.streaming.stopTimeout": "120s",
     "spark.python.worker.reuse": "true",
+    # Python workers forked with pyarrow, pandas and onceflow's modules already imported
+    "spark.python.daemon.module": "onceflow.runtime.daemon",
 }
 
 
