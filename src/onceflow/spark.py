@@ -85,9 +85,13 @@ DEFAULTS = {
     "spark.sql.session.timeZone": "UTC",
     "spark.sql.streaming.stopTimeout": "120s",
     "spark.python.worker.reuse": "true",
-    # Python workers forked with pyarrow, pandas and onceflow's modules already imported
-    "spark.python.daemon.module": "onceflow.runtime.daemon",
 }
+
+#: onceflow's default for a ``local`` or ``local-cluster`` master, whose executors run this
+#: very Python installation: Python workers forked from :mod:`onceflow.runtime.daemon`, with
+#: pyarrow, pandas and onceflow's modules already imported. Executors elsewhere keep Spark's
+#: daemon unless the job names this one (their installation may hold another onceflow).
+LOCAL_DEFAULTS = {"spark.python.daemon.module": "onceflow.runtime.daemon"}
 
 
 #: Spark's checkpoint files (``offsets/N``, ``commits/N``, state store files) of a query whose
@@ -166,7 +170,8 @@ def get_spark(master: str | None = "local[2]", app_name: str = "onceflow", conf:
     builder = builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
     conf = spark_redaction_conf({**(conf or {}), **cli_conf()})
     if not submitted():  # under spark-submit, its --conf settings win over onceflow's defaults
-        conf = {**DEFAULTS, **conf}
+        local = LOCAL_DEFAULTS if master and master.startswith("local") else {}
+        conf = {**DEFAULTS, **local, **conf}
         from onceflow import jvm_cache
 
         cds = jvm_cache.java_options()  # the driver JVM maps its classes from an archive

@@ -22,9 +22,9 @@ allocator), which jemalloc itself stops and restarts around ``fork``; a module t
 start another is left to the workers (:data:`AFTER_FORK`). Arrow's CPU and I/O
 thread pools start lazily, at the first compute or file call, in the workers, never here.
 
-Used where onceflow builds the session (``spark.python.daemon.module``, see
-:data:`onceflow.spark.DEFAULTS`); Spark's planner processes (data source lookups and writes'
-commits) keep Spark's daemon.
+onceflow's default for local masters (``spark.python.daemon.module``, see
+:data:`onceflow.spark.LOCAL_DEFAULTS`); Spark's planner processes (data source lookups and
+writes' commits) keep Spark's daemon.
 """
 
 from __future__ import annotations
