@@ -3,9 +3,11 @@
 Spark starts one daemon per executor (``python -m <spark.python.daemon.module> pyspark.worker``)
 and forks it for every Python worker. Spark's own daemon imports only ``pyspark`` first, so each
 worker imports pyarrow, pandas and the sink's module itself: about 0.5-0.8 CPU-s per worker on
-a 2-core machine, several workers per driver, each a delay of the batch that starts it (the
-first batch, and the first batch after a takeover). This daemon imports them once; each forked
-worker shares them (copy-on-write) and starts in milliseconds.
+a 2-core machine, several workers per driver. This daemon imports them once; each forked worker
+shares them (copy-on-write) and starts in milliseconds. The first worker still waits for the
+imports (now in the daemon), so a cold driver's first commit comes no sooner; the saving is the
+CPU of every later worker (``benchmarks/bench_worker_daemon.py``: 0.83-0.91x of the CPU of a
+short job, 0.89-0.96x of its wall time).
 
 Which modules: Spark's worker and its Arrow serializers, pyarrow (with Parquet) and pandas, and
 the modules of onceflow's registered sources and sinks (their heavy dependencies are imported
