@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from onceflow.runtime.standby import promote, takes_over
+from onceflow.verify.procs import DAEMONS
 
 
 def test_the_go_file_names_the_epoch_to_take_over_or_none(tmp_path):
@@ -102,7 +103,7 @@ def test_keeping_warm_runs_python_workers_and_no_code_of_the_job(spark, tmp_path
             return ""
 
     jvm = next(p for p in psutil.Process().children() if p.name() == "java")
-    daemons = {p.pid for p in jvm.children() if "pyspark.daemon" in cmdline(p)}
+    daemons = {p.pid for p in jvm.children() if any(d in cmdline(p) for d in DAEMONS)}
     workers = [p for p in jvm.children(recursive=True)  # forked by a daemon: idle in its pool now
-               if p.ppid() in daemons and "pyspark.daemon" in cmdline(p)]
+               if p.ppid() in daemons and any(d in cmdline(p) for d in DAEMONS)]
     assert workers, [cmdline(p) for p in jvm.children(recursive=True)]

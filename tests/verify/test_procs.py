@@ -40,3 +40,20 @@ def test_terminate_signals_a_plain_process_and_ignores_a_gone_one():
     procs.terminate(p.pid)
     assert p.wait(10) == 3
     procs.terminate(p.pid)  # reaped: nothing to signal, no error
+
+
+def test_python_workers_are_the_task_workers_forked_by_onceflows_daemon(spark):
+    """worker_kill's targets on a local master: the workers forked by onceflow's daemon (the
+    task workers), not only the planners' under Spark's daemon (before, the fault matched
+    ``pyspark.daemon`` alone and so never hit a task's worker)."""
+    import os
+
+    def _pid(batches):  # nested: pickled by value
+        import pyarrow as pa
+
+        for _ in batches:
+            yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]})
+
+    ran = {r.pid for r in spark.range(2, numPartitions=2).mapInArrow(_pid, "pid long").collect()}
+    workers = {p.pid for p in procs.python_workers(os.getpid())}
+    assert ran <= workers, (ran, [procs._cmdline(p) for p in procs.tree(os.getpid())])

@@ -3,7 +3,8 @@
 The active driver is the process that wrote the newest runner ``start`` event to the job's
 event log (it holds the lease). Its JVM is its ``java`` child; on ``local-cluster`` the
 executors are ``CoarseGrainedExecutorBackend`` JVMs below that JVM; Python workers are the
-processes forked by a ``pyspark.daemon`` (the daemon itself is the parent of each worker).
+processes forked by a daemon (:data:`DAEMONS`: Spark's, and onceflow's that local masters
+fork their task workers from; the daemon itself is the parent of each worker).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from collections.abc import Iterable
 import psutil
 
 from onceflow.checkpoint.eventlog import EventLog
+
+#: the modules Spark's Python worker daemons run as: Spark's (planners, and task workers on
+#: clusters) and :mod:`onceflow.runtime.daemon` (task workers on local masters)
+DAEMONS = ("pyspark.daemon", "onceflow.runtime.daemon")
 
 
 def active_driver(log: EventLog, within: int | None = None) -> int | None:
@@ -92,9 +97,10 @@ def executors(driver: int) -> list[psutil.Process]:
 
 
 def python_workers(driver: int) -> list[psutil.Process]:
-    """Python workers (children of a pyspark.daemon); the daemons themselves when none runs."""
+    """Python workers (children of a daemon, :data:`DAEMONS`); the daemons themselves when none
+    runs."""
     procs = tree(driver)
-    daemons = [p for p in procs if "pyspark.daemon" in _cmdline(p)]
+    daemons = [p for p in procs if any(f"-m {d} " in f"{_cmdline(p)} " for d in DAEMONS)]
     daemon_pids = {p.pid for p in daemons}
     workers = [p for p in daemons if p.ppid() in daemon_pids]
     return workers or [p for p in daemons if p.ppid() not in daemon_pids]
