@@ -143,3 +143,37 @@ def test_query_conf_sets_arrow_batches_and_the_local_checkpoint_manager_then_res
         assert spark.conf.get(rows) == "5000"
     finally:
         spark.conf.unset(rows)
+
+
+def test_the_first_batchs_phases_come_from_its_run_not_from_an_idle_report_before_it(spark, tmp_path):
+    """A query whose first trigger finds no data reports "no data" under the id of the batch not
+    run yet (no ``addBatch``); the "recovered" event's phases took that report (0 s to execute:
+    seen in the demo's takeovers, whose batch took 1.7 s)."""
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.runtime.runner import _first_batch_phases
+
+    src = tmp_path / "in"
+    src.mkdir()
+    df = spark.readStream.schema("id long").parquet(str(src))
+    query = (df.writeStream.format("noop").option("checkpointLocation", str(tmp_path / "ckpt"))
+             .trigger(processingTime="200 milliseconds").start())
+    try:
+        deadline = time.monotonic() + 60
+        while not query.recentProgress:  # the idle report of batch 0
+            assert time.monotonic() < deadline, "no progress report"
+            time.sleep(0.05)
+        assert query.recentProgress[0].batchId == 0 and "addBatch" not in query.recentProgress[0].durationMs
+        pq.write_table(pa.table({"id": list(range(100))}), str(src / "part-0.parquet"))
+        while not any(p.numInputRows for p in query.recentProgress):
+            assert time.monotonic() < deadline, "batch 0 never ran"
+            time.sleep(0.05)
+        phases = _first_batch_phases(query, 0)
+    finally:
+        query.stop()
+    ran = next(p for p in query.recentProgress if p.numInputRows)
+    assert ran.batchId == 0
+    assert phases["batch_s"] == round(ran.durationMs["triggerExecution"] / 1000, 3) > 0, phases

@@ -511,9 +511,11 @@ class JobRunner:
 
 def _first_batch_phases(query, batch: int) -> dict[str, float]:
     """Where the first batch after a (re)start spent its time, from Spark's progress report:
-    planning (offsets, source batch, query plan, offset log write) and execution + commit."""
+    planning (offsets, source batch, query plan, offset log write) and execution + commit.
+    An idle report ("no data", no ``addBatch``) carries the id of the batch not run yet: skipped,
+    as in :meth:`JobRunner._record_progress`."""
     for p in query.recentProgress:
-        if p.batchId == batch and p.durationMs:
+        if p.batchId == batch and "addBatch" in (p.durationMs or {}):
             d = p.durationMs
             plan = sum(d.get(k, 0) for k in ("latestOffset", "getBatch", "queryPlanning", "walCommit"))
             return {"plan_s": round(plan / 1000, 3), "execute_and_commit_s": round(d.get("addBatch", 0) / 1000, 3),
