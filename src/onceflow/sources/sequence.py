@@ -2,13 +2,8 @@
 
 Offsets are ``{"next": n}`` and live only in Spark's checkpoint: batch N reads exactly ids
 ``[start, end)`` from ``offsets/N`` on every replay. New ids become available at
-``rows_per_second`` up to ``total`` (then the source is exhausted); a query (re)starting finds
-:data:`WAITING_S` seconds' worth waiting, as it would find what a real source received while
-it was down (before, its first trigger found nothing, and a restart's first batch waited for
-the next trigger: in the demo's takeovers, sink opened -> first batch started went from 1.15 s
-to 0.66-0.75 s; that batch is now a full one, so kill -> commit stayed 2.6-2.9 s). Columns:
-``id`` (long), ``key`` (``id % keys``), ``event_time`` (timestamp derived from the id,
-deterministic).
+``rows_per_second`` up to ``total`` (then the source is exhausted). Columns: ``id`` (long),
+``key`` (``id % keys``), ``event_time`` (timestamp derived from the id, deterministic).
 With ``release_file``, the ids not yet available all become available once that file exists
 (planning looks for it: one ``stat`` per trigger).
 """
@@ -79,10 +74,6 @@ class SequenceDataSource(DataSource):
         )
 
 
-#: seconds' worth of ids a query finds available at its first trigger
-WAITING_S = 1.0
-
-
 class SequenceReader(DataSourceStreamReader):
     def __init__(self, total, rate, partitions, keys, max_rows, release: str | None = None):
         self.total, self.rate, self.parts, self.keys, self.max_rows = total, rate, partitions, keys, max_rows
@@ -97,7 +88,7 @@ class SequenceReader(DataSourceStreamReader):
         begin = int((start or {"next": 0})["next"])
         now = time.monotonic()
         if self._t0 is None:
-            self._t0, self._base = now - WAITING_S, begin
+            self._t0, self._base = now, begin
         end = max(begin, self._base + int(self.rate * (now - self._t0)))
         released = self.total is not None and self.release is not None and os.path.exists(self.release)
         if released:
