@@ -107,3 +107,20 @@ def test_keeping_warm_runs_python_workers_and_no_code_of_the_job(spark, tmp_path
     workers = [p for p in jvm.children(recursive=True)  # forked by a daemon: idle in its pool now
                if p.ppid() in daemons and any(d in cmdline(p) for d in DAEMONS)]
     assert workers, [cmdline(p) for p in jvm.children(recursive=True)]
+
+
+def test_the_first_warm_up_runs_many_batches_and_keeping_warm_one(spark, tmp_path):
+    """The first warm-up query runs ``batches`` micro-batches of WARM_ROWS ids each, keeping
+    warm one; each is stopped once done. Old code: one batch that found no ids (the sequence
+    source's clock had only just started), so nothing of a batch with rows had run when a
+    standby took over."""
+    from onceflow.runtime.standby import WARM_ROWS, _until_done, warm_query
+
+    def rows(name: str, batches: int) -> list[int]:
+        (tmp_path / name).mkdir()
+        q = warm_query(spark, str(tmp_path / name), batches)
+        assert _until_done(q, batches, go=None) and not q.isActive
+        return [p["numInputRows"] for p in q.recentProgress if p["numInputRows"]]
+
+    assert rows("many", 3) == [WARM_ROWS] * 3
+    assert rows("one", 1) == [WARM_ROWS]

@@ -20,3 +20,19 @@ def test_a_release_file_makes_the_rest_of_the_stream_available_at_once(tmp_path)
     assert reader.latestOffset({"next": 95_000})["next"] == 100_000
     unbounded = SequenceReader(total=None, rate=1000, partitions=2, keys=16, max_rows=None, release=str(release))
     assert unbounded.latestOffset({"next": 0})["next"] < 500  # no total: nothing to release
+
+
+def test_a_restarted_stream_finds_a_seconds_ids_waiting_and_a_fresh_one_none():
+    """A query restarting a stream that has read ids before finds WAITING_S seconds' worth at
+    its first trigger (what a real source received while it was down), capped per batch; a
+    fresh stream finds none. Old code: the restart found nothing too, so its first batch waited
+    for the next trigger instant (0.5-0.75 s of each demo takeover)."""
+    from onceflow.sources.sequence import WAITING_S
+
+    restarted = SequenceReader(total=None, rate=1000, partitions=2, keys=16, max_rows=None)
+    assert restarted.latestOffset({"next": 5000})["next"] >= 5000 + int(1000 * WAITING_S)
+    capped = SequenceReader(total=None, rate=1000, partitions=2, keys=16, max_rows=300)
+    assert capped.latestOffset({"next": 5000})["next"] == 5300
+    fresh = SequenceReader(total=None, rate=1000, partitions=2, keys=16, max_rows=None)
+    assert fresh.latestOffset({"next": 0})["next"] < 500
+    assert fresh.latestOffset(None)["next"] < 500
