@@ -24,7 +24,8 @@ from onceflow.errors import ConfigError
 
 OPTIONS = {
     "total": "number of events, ids 0..total-1 (default: unbounded)",
-    "rows_per_second": "how fast new ids become available (default 50000)",
+    "rows_per_second": "how fast new ids become available (default 50000); a query restarting a stream "
+                       "that has read ids before finds a second's worth waiting",
     "partitions": "Spark partitions per batch (default 2)",
     "keys": "number of distinct keys, key = id % keys (default 16)",
     "max_rows_per_batch": "cap on ids per micro-batch (default: none)",
