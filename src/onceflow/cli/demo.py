@@ -21,7 +21,7 @@ from onceflow.extras import require
               help="Work directory (table, checkpoint, logs); wiped at start.")
 @click.option("--seed", type=int, default=None, help="Random seed for the kill moments.")
 @click.option("--wait-standby/--any-time", default=True, show_default=True,
-              help="Kill once the warm standby driver is ready again (steady state, at most 30 s "
+              help="Kill once the warm standby driver is ready again (steady state, at most 45 s "
               "after the driver came up), or as soon as the driver commits.")
 def demo(events: int, rate: int, kills: int, workdir: str, seed: int | None, wait_standby: bool) -> None:
     """Run a failover scenario: crash the driver, restart, prove exactly-once."""

@@ -43,6 +43,12 @@ class DemoResult:
         return self.report.ok and self.supervisor_rc == 0
 
 
+#: the longest a kill waits for the replacement standby to be ready: beside an active driver
+#: that keeps both cores busy a standby needs 30-35 s from its start (process, JVM and session
+#: about 10 s, then its warm-up batches); the first one, beside a cold driver, longer
+STANDBY_WAIT_S = 45.0
+
+
 class DemoRunner:
     """Runs the supervised demo job and kills its driver ``kills`` times at random moments."""
 
@@ -107,14 +113,14 @@ class DemoRunner:
                     c["ts"] > starts[-1]["ts"] and (c["rows"] or c.get("replay"))
                     for c in self._events("sink_commit")
                 )
-                # Kill in steady state: once the warm standby is ready again (at most 30 s after
-                # the driver came up), as a production job spends nearly all its time.
+                # Kill in steady state: once the warm standby is ready again (at most
+                # STANDBY_WAIT_S after the driver came up), as a production job spends nearly all its time.
                 if up and up_since is None:
                     up_since = time.time()
                 elif not up:
                     up_since = None
                 warm = any(e["ts"] > starts[-1]["ts"] for e in self._events("standby_ready")) if starts else False
-                steady = up and (not self.wait_standby or warm or time.time() - up_since > 30)
+                steady = up and (not self.wait_standby or warm or time.time() - up_since > STANDBY_WAIT_S)
                 info = f"restarts {len(kill_times)}/{self.kills}" + (
                     "" if steady else " · standby warming up" if up else " · (re)starting driver")
                 progress.update(task, completed=committed, info=info)

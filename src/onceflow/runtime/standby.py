@@ -69,9 +69,9 @@ def _count(key, frames, state):
 #: the first warm-up runs this many micro-batches of :data:`WARM_ROWS` ids. The JVM compiles
 #: (JIT) a method only after it ran many times, and much of a micro-batch runs once per batch
 #: (analysis, planning, code generation, task scheduling, the offset, state and sink commits).
-#: Measured on demo takeovers (2 cores, kill -> first commit, the sequence source's waiting ids
-#: included): 1.96-2.48 s after 1 batch, 1.71-2.01 after 5, 1.74-2.01 after 20; the warm-up
-#: took 11-12 s, 17 s and 30 s (beside the active driver, whose CPU it shares).
+#: Measured on the demo job (2 cores; its active driver SIGKILLed just after a commit, then
+#: its standby promoted; 3 takeovers each): kill -> first commit median 2.26 s after 1 warm-up
+#: batch, 2.03 s after 3, 1.73 s after 5; the warm-up took 12-13.6 s, 14.3-14.7 s and 16.4-18.7 s.
 WARM_BATCHES = 5
 WARM_ROWS = 10_000
 
