@@ -103,8 +103,7 @@ def _until_done(q, batches: int, go: str | None, timeout_s: float = 120.0) -> bo
         while not q.awaitTermination(0.1) and time.monotonic() < deadline:
             if go and os.path.exists(go):
                 return False
-            done = q.lastProgress
-            if done is not None and done["batchId"] >= batches - 1 and done["numInputRows"]:
+            if sum(1 for p in q.recentProgress if p["numInputRows"]) >= batches:
                 return True
         return not (go and os.path.exists(go))
     finally:
