@@ -96,6 +96,9 @@ _ALL = [
             "once).", "test"),
     Setting("ONCEFLOW_SLOW_COMMIT_FILE", None, "While this file exists, every batch commit first "
             "sleeps the seconds it holds.", "test"),
+    Setting("ONCEFLOW_STOP_LATE_S", "0", "A stop (`onceflow stop`, SIGTERM) stops the query this many "
+            "seconds after the in-flight batch ended, in the next batch's write when that is longer "
+            "(tests of an interrupted write).", "test"),
 ]
 
 #: name -> Setting, in documentation order

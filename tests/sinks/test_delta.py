@@ -661,11 +661,11 @@ job = Job(
 """
 
 
-def _run_and_stop(work) -> str:
+def _run_and_stop(work, env: dict[str, str] | None = None) -> str:
     """Run STOP_JOB, ``onceflow stop --savepoint`` it after 3 batches; the supervisor's output."""
     work.mkdir()
     (work / "job.py").write_text(STOP_JOB)
-    env = {**os.environ, "WORK": str(work)}
+    env = {**os.environ, "WORK": str(work), **(env or {})}
     sup = subprocess.Popen([sys.executable, "-m", "onceflow", "run", "--no-standby", str(work / "job.py")],
                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
@@ -696,13 +696,8 @@ def test_jvm_writer_stopped_mid_write_stops_cleanly_with_a_savepoint(tmp_path):
     interrupted, and Spark must see that as the query stopping. Its check of the error our
     foreachBatch raised overflowed the stream thread's stack on a long Java stack trace
     (StackOverflowError; on a standalone cluster the stop then never finished). The table
-    holds every id below the savepoint's offset exactly once. The runner stops the query when
-    the next batch has started, or in the short pause between batches if it polls there
-    (then nothing is interrupted). Whether the poll after the in-flight batch comes before
-    or after the next write starts is the luck of a 250 ms poll against the next batch's
-    planning, which a loaded machine slows (three runs in a row missed once): up to eight
-    runs, one of which must interrupt a write."""
-    for attempt in range(8):
-        if "Spark's write of batch" in _run_and_stop(tmp_path / f"run{attempt}"):
-            return
-    pytest.fail("no stop interrupted a write in eight runs")
+    holds every id below the savepoint's offset exactly once. The runner stops the query once
+    the in-flight batch ended; ONCEFLOW_STOP_LATE_S=1 makes that a second later, inside the
+    next batch's 3-second write (before: eight runs at most, as a 250 ms poll fell in the next
+    batch's write or in its planning by luck, 41-115 s)."""
+    assert "Spark's write of batch" in _run_and_stop(tmp_path / "run", {"ONCEFLOW_STOP_LATE_S": "1"})

@@ -379,6 +379,7 @@ class JobRunner:
         active_since: float | None = None
         idle_since: float | None = None
         stop_after: int | None = None  # batch id in flight when a stop was requested
+        stop_at: float | None = None  # when the query stops (tests: ONCEFLOW_STOP_LATE_S later)
         lease = getattr(self, "lease", None)
         polled = time.monotonic()
         while True:
@@ -429,8 +430,10 @@ class JobRunner:
                         query.stop()
                         return None
                 if not active or seen > stop_after:
-                    query.stop()
-                    return None
+                    stop_at = stop_at or now + float(setting("ONCEFLOW_STOP_LATE_S", "0"))
+                    if now >= stop_at:
+                        query.stop()
+                        return None
             if (job.stop_when_idle is not None and idle_since and not active
                     and now - idle_since >= job.stop_when_idle):
                 query.stop()
